@@ -1,0 +1,14 @@
+"""tidyrun: an in-process LLM inference engine that gives back every byte it took."""
+
+from .engine import LLM
+from .errors import (EngineShutdownError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
+                     PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError)
+from .outputs import CompletionOutput, RequestOutput
+from .sampling import SamplingParams
+
+__all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TidyrunError", "ModelLoadError",
+    "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
+    "EngineShutdownError", "ResourceLeakError",
+]
+__version__ = "0.1.0"

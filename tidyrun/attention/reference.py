@@ -1,0 +1,48 @@
+"""Reference paged attention in plain torch: the CPU path and the ground truth for kernels.
+
+Queries of all sequences are padded into [B, max_query_len], keys are gathered
+through the block tables into [B, max_seq_len], and one masked SDPA call does
+causal, variable-length, GQA attention for prefill and decode alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write this step's keys/values [T, kv_heads, head_dim] into their cache slots."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention output [T, heads, head_dim] for flat queries q [T, heads, head_dim].
+
+    k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim].
+    """
+    num_heads, head_dim = q.shape[1:]
+    batch = meta.block_tables.shape[0]
+    kv_heads = k_cache.shape[2]
+    keys = k_cache[meta.block_tables].reshape(batch, -1, kv_heads, head_dim)[:, : meta.max_seq_len]
+    values = v_cache[meta.block_tables].reshape(batch, -1, kv_heads, head_dim)[:, : meta.max_seq_len]
+    if kv_heads != num_heads:
+        group = num_heads // kv_heads
+        keys = keys.repeat_interleave(group, dim=2)
+        values = values.repeat_interleave(group, dim=2)
+    queries = q[meta.q_index]  # [B, Lq, H, D]
+    key_pos = torch.arange(meta.max_seq_len, device=q.device)
+    mask = (key_pos[None, None, :] <= meta.q_positions[:, :, None]) & (
+        key_pos[None, None, :] < meta.seq_lens[:, None, None]
+    )
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask[:, None], scale=scale,
+    )  # [B, H, Lq, D]
+    return out.transpose(1, 2)[meta.q_valid]

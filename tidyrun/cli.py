@@ -1,0 +1,111 @@
+"""Command line: ``tidyrun generate`` and ``tidyrun chat``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import TidyrunError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the accelerator if present)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _params(args):
+    from .sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+
+
+def _build(args):
+    from .engine import LLM
+
+    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+
+
+def cmd_generate(args) -> int:
+    params = _params(args)
+    with _build(args) as llm:
+        use_template = llm.tokenizer.has_chat_template and not args.raw
+        prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])}
+                   if use_template else p for p in args.prompts]
+        if len(prompts) == 1:
+            for piece in llm.stream(prompts[0], params):
+                print(piece, end="", flush=True)
+            print()
+        else:
+            for prompt, out in zip(args.prompts, llm.generate(prompts, params, use_tqdm=True)):
+                print(f"### {prompt}\n{out.outputs[0].text}\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _params(args)
+    with _build(args) as llm:
+        messages: list[dict] = []
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        print("tidyrun chat: empty line or Ctrl-D to quit.", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            ids = llm.tokenizer.apply_chat_template(messages)
+            reply = []
+            for piece in llm.stream({"prompt_token_ids": ids}, params):
+                print(piece, end="", flush=True)
+                reply.append(piece)
+            print()
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidyrun", description="In-process LLM inference that cleans up after itself")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one or more prompts (streams a single prompt)")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--raw", action="store_true", help="do not wrap prompts in the model's chat template")
+    _engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat, streaming replies")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TidyrunError as exc:
+        print(f"tidyrun: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Frozen configuration objects.
+
+Configs describe what the user asked for and what the checkpoint declares.
+They are never written to after construction: values derived at start-up (the
+number of KV blocks, the resolved dtype) live in runner state, so one config
+object can build many engines and always means the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as declared by a checkpoint (HF ``rope_scaling``)."""
+
+    rope_type: str  # "linear" or "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family checkpoint, whatever its file format."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        from .errors import UnsupportedModelError
+
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported; "
+                f"tidyrun runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModelError(f"model config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the paged KV cache is sized.
+
+    ``num_blocks`` fixes the block count; otherwise it is derived from
+    ``memory_bytes`` (CPU; default 1 GiB, capped at what ``max_num_seqs`` full
+    contexts need) or from ``gpu_memory_utilization`` of the device's free
+    memory after the weights are loaded (CUDA).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        from .errors import InvalidRequestError
+
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise InvalidRequestError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise InvalidRequestError(f"memory_bytes must be positive, got {self.memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from. ``dtype``/``device`` of None mean "pick for me"."""
+
+    model: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        from .errors import InvalidRequestError
+
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise InvalidRequestError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.max_num_seqs <= 0:
+            raise InvalidRequestError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise InvalidRequestError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+
+
+DTYPES = MappingProxyType({
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+})

@@ -1,0 +1,274 @@
+"""LLM: the user-facing engine (generate, chat, stream, shutdown).
+
+One engine = one model source, one tokenizer, one ModelRunner (all device
+state) and one Scheduler (host state). Nothing here is shared between
+engines, so several can live in one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from .config import CacheConfig, EngineConfig
+from .errors import EngineShutdownError, InvalidRequestError, PromptTooLongError
+from .kv_cache import BlockPool
+from .loader import open_model_source
+from .outputs import CompletionOutput, RequestOutput
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import Sequence
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason) for s in self.seqs]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outs)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLM:
+    """Generate text from a Llama-family model in this process.
+
+    ``model`` is a GGUF file, a folder with one GGUF file, or a Hugging Face
+    folder; None means the bundled SmolLM2-135M-Instruct. ``device``/``dtype``
+    default to the accelerator in bf16 if there is one, else the CPU in fp32.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float = 0.9, seed: int = 0, config: EngineConfig | None = None) -> None:
+        self._closed = True  # until construction succeeds; makes shutdown() safe on a failed start
+        self.runner: ModelRunner | None = None
+        if config is None:
+            config = EngineConfig(
+                model=model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+                cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_bytes=kv_cache_memory,
+                                  gpu_memory_utilization=gpu_memory_utilization),
+            )
+        self.config = config
+        self.source = open_model_source(config.model)
+        self.tokenizer = self.source.load_tokenizer()
+        self.runner = ModelRunner(self.source, config, self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(BlockPool(self.runner.num_kv_blocks), self.runner.block_size,
+                                   config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, _Request] = {}
+        self._request_counter = itertools.count()
+        self._seq_counter = itertools.count()
+        self._seed_generator = self.runner.make_generator(config.seed)
+        self._closed = False
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def device(self):
+        return self.runner.device
+
+    @property
+    def dtype(self):
+        return self.runner.dtype
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineShutdownError("this LLM has been shut down; create a new one")
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate_tokens(self, ids: list[int]) -> None:
+        vocab = self.runner.model_config.vocab_size
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (0 tokens)")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
+                f"(max_model_len), which must also hold at least one generated token"
+            )
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; it runs on the following ``step()`` calls. Returns its id."""
+        self._check_alive()
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        self._validate_tokens(ids)
+        request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if not params.greedy:
+                seed = params.seed + i if params.seed is not None else int(
+                    __import__("torch").randint(0, 2**62, (1,), generator=self._seed_generator, device=self.device))
+                gen = self.runner.make_generator(seed)
+            seqs.append(Sequence(next(self._seq_counter), request_id, i, ids, params, self.tokenizer, gen))
+        self._requests[request_id] = _Request(request_id, text, ids, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its sequences finish with finish_reason "abort" and free their blocks."""
+        self._check_alive()
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of requests that finished in it."""
+        self._check_alive()
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            sampled = self.runner.execute(batch)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                seq.num_computed_tokens += n
+            for seq, token in sampled:
+                seq.append_token(token, self.tokenizer.eos_token_ids, self.max_model_len)
+                if seq.is_finished:
+                    self.scheduler.finish(seq)
+        return self._pop_finished()
+
+    def _pop_finished(self) -> list[RequestOutput]:
+        done = [r for r in self._requests.values() if r.finished]
+        for r in done:
+            del self._requests[r.request_id]
+        return [r.output() for r in done]
+
+    # -- batch API ---------------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Iterable[PromptType],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for one prompt or a list; outputs come back in prompt order."""
+        self._check_alive()
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params_list = sampling_params
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        # Validate everything before queueing anything, so a bad prompt rejects the whole call cleanly.
+        for p, sp in zip(prompts, params_list):
+            if not isinstance(sp, SamplingParams):
+                raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
+            self._validate_tokens(self._tokenize(p)[1])
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        return self._run_until_done(ids, use_tqdm)
+
+    def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while wanted - results.keys():
+                for out in self.step():
+                    results[out.request_id] = out
+                    bar.update(1 if out.request_id in wanted else 0)
+        return [results[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, using the model's chat template."""
+        self._check_alive()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, add_generation_prompt)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one completion as it is generated (n must be 1)."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError("stream() supports n=1 only")
+        request_id = self.add_request(prompt, params)
+        seq = self._requests[request_id].seqs[0]
+        # Hold back text that could still turn out to be the start of a stop string.
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        sent = 0
+        try:
+            while not seq.is_finished:
+                self.step()
+                visible = len(seq.text) if seq.is_finished else max(sent, len(seq.text) - holdback)
+                if visible > sent:
+                    yield seq.text[sent:visible]
+                    sent = visible
+        finally:
+            if not seq.is_finished and not self._closed:
+                self.abort_request(request_id)
+                self._pop_finished()
+
+    def compute_logits(self, prompt: PromptType):
+        """Float32 logits [num_tokens, vocab] at every position of ``prompt`` (a scoring primitive)."""
+        self._check_alive()
+        _, ids = self._tokenize(prompt)
+        self._validate_tokens(ids)
+        seq = Sequence(next(self._seq_counter), "__logits__", 0, ids, SamplingParams(), self.tokenizer, None)
+        pool = self.scheduler.pool
+        seq.block_table = pool.allocate(-(-len(ids) // self.runner.block_size))
+        try:
+            return self.runner.all_logits(ScheduledBatch([seq], [len(ids)]))
+        finally:
+            pool.free(seq.block_table)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Abort in-flight requests and release every device resource; idempotent."""
+        if self._closed and self.runner is None:
+            return
+        self._closed = True
+        for request_id in list(getattr(self, "_requests", {})):
+            self.scheduler.abort(request_id)
+        if self.runner is not None:
+            self.runner.shutdown()
+        self.runner = None
+
+    close = shutdown
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,38 @@
+"""Exception types users can catch.
+
+Every failure a user can cause (a bad model file, a bad parameter, a call at the
+wrong time) maps to one of these, so callers never have to parse a bare
+``KeyError`` or ``RuntimeError`` from deep inside torch.
+"""
+
+
+class TidyrunError(Exception):
+    """Base class of every error tidyrun raises on purpose."""
+
+
+class ModelLoadError(TidyrunError):
+    """The model source is missing, unreadable, truncated or inconsistent."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model source is readable but describes something tidyrun cannot run."""
+
+
+class InvalidRequestError(TidyrunError, ValueError):
+    """A request is malformed: bad sampling parameters, empty or oversized prompt."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus at least one generated token) does not fit the context."""
+
+
+class OutOfResourcesError(TidyrunError):
+    """The device cannot hold what the configuration asks for (e.g. the KV cache)."""
+
+
+class EngineShutdownError(TidyrunError, RuntimeError):
+    """A call was made on an engine or runner after ``shutdown()``."""
+
+
+class ResourceLeakError(TidyrunError, RuntimeError):
+    """``shutdown(strict=True)`` found device tensors that outlived the runner."""

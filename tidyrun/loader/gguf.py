@@ -1,0 +1,165 @@
+"""GGUF files (llama.cpp) -> ModelConfig + HF-named float weights + tokenizer.
+
+Parsing and dequantisation are the ``gguf`` package's; this module only maps
+llama.cpp's names and layouts onto the Hugging Face convention the model uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig, RopeScaling
+from ..errors import ModelLoadError, UnsupportedModelError
+from ..tokenizer import Tokenizer
+
+# GGUF architecture name -> tidyrun architecture. Mistral GGUFs say "llama".
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+
+# Per-layer tensor suffix in GGUF -> HF suffix under model.layers.N.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _open_reader(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, struct/numpy errors, IndexError...
+        raise ModelLoadError(f"cannot read GGUF file {path!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _field(reader, key: str, default=None, required: bool = True):
+    field = reader.fields.get(key)
+    if field is None:
+        if required and default is None:
+            raise ModelLoadError(f"GGUF file {reader.path!r} lacks metadata key {key!r}")
+        return default
+    return field.contents()
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row permutation of attn_q / attn_k (back to HF layout)."""
+    out_dim = w.shape[0]
+    return w.reshape(n_head, out_dim // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource:
+    """A GGUF checkpoint on disk. Holds its parsed header; weights are dequantized per call."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        # Parsing the header (tokenizer arrays included) takes seconds; keep the reader, a
+        # read-only memory map of host memory, for every later weight read.
+        self._reader = _open_reader(path)
+        self.config = self._read_config(self._reader)
+        if "rope_freqs.weight" in {t.name for t in self._reader.tensors}:
+            raise UnsupportedModelError(
+                f"{path!r} uses per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style); "
+                "load the Hugging Face folder of this model instead"
+            )
+
+    def _read_config(self, reader) -> ModelConfig:
+        gguf_arch = _field(reader, "general.architecture")
+        if gguf_arch not in _ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {gguf_arch!r} in {self.path!r} is not supported; "
+                f"supported: {', '.join(sorted(_ARCHITECTURES))}"
+            )
+        a = gguf_arch
+        hidden = int(_field(reader, f"{a}.embedding_length"))
+        heads = int(_field(reader, f"{a}.attention.head_count"))
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = _field(reader, f"{a}.vocab_size", default=len(tokens.data) if tokens else None)
+        scaling = None
+        scaling_type = _field(reader, f"{a}.rope.scaling.type", required=False)
+        if scaling_type not in (None, "none"):
+            if scaling_type != "linear":
+                raise UnsupportedModelError(f"GGUF rope scaling type {scaling_type!r} is not supported")
+            scaling = RopeScaling("linear", float(_field(reader, f"{a}.rope.scaling.factor")))
+        eos = _field(reader, "tokenizer.ggml.eos_token_id", required=False)
+        try:
+            return ModelConfig(
+                architecture=_ARCHITECTURES[a],
+                vocab_size=int(vocab),
+                hidden_size=hidden,
+                intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
+                num_layers=int(_field(reader, f"{a}.block_count")),
+                num_heads=heads,
+                num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", default=heads)),
+                head_dim=int(_field(reader, f"{a}.attention.key_length", default=hidden // heads)),
+                rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon")),
+                rope_theta=float(_field(reader, f"{a}.rope.freq_base", default=10000.0)),
+                max_position_embeddings=int(_field(reader, f"{a}.context_length")),
+                tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
+                attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+                rope_scaling=scaling,
+                bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", required=False),
+                eos_token_ids=() if eos is None else (int(eos),),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"GGUF metadata in {self.path!r} is malformed: {exc}") from exc
+
+    def _hf_name(self, name: str) -> str:
+        if name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[name]
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+            return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+        raise ModelLoadError(f"GGUF tensor {name!r} in {self.path!r} has no known meaning for a Llama-family model")
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        import gguf
+
+        cfg = self.config
+        for t in self._reader.tensors:
+            hf_name = self._hf_name(t.name)
+            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF stores ggml (reversed) order
+            try:
+                array = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as exc:
+                raise UnsupportedModelError(
+                    f"tensor {t.name!r} uses GGML type {t.tensor_type.name}, which cannot be dequantized"
+                ) from exc
+            except Exception as exc:
+                raise ModelLoadError(f"tensor {t.name!r} in {self.path!r} is corrupt: {exc}") from exc
+            if int(np.prod(array.shape)) != int(np.prod(shape)):
+                raise ModelLoadError(f"tensor {t.name!r} holds {array.size} values, its header says {shape}")
+            w = torch.tensor(np.asarray(array, dtype=np.float32).reshape(shape))  # copies out of the read-only map
+            if cfg.architecture in ("llama", "mistral"):
+                if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
+                    w = _unpermute(w, cfg.num_heads)
+                elif t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias"):
+                    w = _unpermute(w, cfg.num_kv_heads)
+            yield hf_name, w
+
+    def load_tokenizer(self) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        folder, name = os.path.split(os.path.abspath(self.path))
+        try:
+            hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot build the tokenizer from GGUF file {self.path!r}: {exc}") from exc
+        return Tokenizer(hf_tok, eos_token_ids=self.config.eos_token_ids)

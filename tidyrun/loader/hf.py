@@ -1,0 +1,141 @@
+"""Hugging Face model folders: config.json + *.safetensors (single or sharded)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from ..config import ModelConfig, RopeScaling
+from ..errors import ModelLoadError, UnsupportedModelError
+from ..tokenizer import Tokenizer
+
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# Tensors some checkpoints carry that are derived, not learned.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path!r}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path!r} must hold a JSON object")
+    return data
+
+
+def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling from either the v4 (rope_theta/rope_scaling) or v5 (rope_parameters) keys."""
+    params = raw.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(scaling["factor"]))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            float(scaling["factor"]),
+            float(scaling.get("low_freq_factor", 1.0)),
+            float(scaling.get("high_freq_factor", 4.0)),
+            int(scaling.get("original_max_position_embeddings", 8192)),
+        )
+    raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3)")
+
+
+def config_from_hf(raw: dict, where: str) -> ModelConfig:
+    """Translate a transformers config.json dict into a ModelConfig."""
+    model_type = raw.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} in {where!r} is not supported; supported: {', '.join(sorted(_MODEL_TYPES))}"
+        )
+    try:
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        theta, scaling = _rope(raw)
+        max_pos = int(raw.get("max_position_embeddings", 2048))
+        window = raw.get("sliding_window")
+        if window and raw.get("use_sliding_window", model_type == "mistral") and int(window) < max_pos:
+            # Full attention inside the window is exact; longer contexts would need a windowed kernel.
+            max_pos = int(window)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return ModelConfig(
+            architecture=_MODEL_TYPES[model_type],
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            rope_scaling=scaling,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{where!r} lacks required field {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{where!r} has a malformed field: {exc}") from exc
+
+
+class HFFolderSource:
+    """A transformers-style folder. Holds the config and the shard list; weights are read per call."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.config = config_from_hf(_read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
+        self._files = self._weight_files()
+
+    def _weight_files(self) -> list[str]:
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ModelLoadError(f"{index!r} has no weight_map")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+        if not files:
+            raise ModelLoadError(f"folder {self.path!r} holds no .safetensors weights")
+        paths = [os.path.join(self.path, f) for f in files]
+        for p in paths:
+            if not os.path.isfile(p):
+                raise ModelLoadError(f"weight shard {p!r} named by the index is missing")
+        return paths
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for path in self._files:
+            try:
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        if name.endswith(_IGNORED_SUFFIXES):
+                            continue
+                        yield name, f.get_tensor(name)
+            except ModelLoadError:
+                raise
+            except Exception as exc:  # SafetensorError, OSError on truncated files
+                raise ModelLoadError(f"cannot read safetensors file {path!r}: {exc}") from exc
+
+    def load_tokenizer(self) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            hf_tok = AutoTokenizer.from_pretrained(self.path)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load the tokenizer of {self.path!r}: {exc}") from exc
+        return Tokenizer(hf_tok, eos_token_ids=self.config.eos_token_ids)

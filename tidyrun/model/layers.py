@@ -1,0 +1,109 @@
+"""Building blocks of Llama-family models.
+
+Parameters are created uninitialised (``torch.empty``) on the target device
+and filled by the loader: running a random initialiser over a billion
+parameters only to overwrite them costs seconds for nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig, RopeScaling
+
+
+def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with a weight laid out [out_features, in_features] like HF."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(out_features, in_features, device=device, dtype=dtype)
+        self.bias = _param(out_features, device=device, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(num_embeddings, dim, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 like HF's, optionally adding a residual first.
+
+    ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``, so
+    each decoder layer does one add-and-norm instead of two passes.
+    """
+
+    def __init__(self, dim: int, eps: float, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype), residual
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies (float32, CPU), with linear or Llama-3 scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep high frequencies, divide low ones by factor, blend in between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Per-model cos/sin table for positions [0, max_positions).
+
+    The table is a buffer of this module (not a module-level cache), so it is
+    owned, tracked and freed with the model it belongs to.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device):
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for ``positions``, shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on [T, heads, head_dim] (HF layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,169 @@
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2 shapes) over a paged KV cache.
+
+Q/K/V and gate/up projections are fused into one matrix each (fewer, larger
+matmuls); ``load_weights`` maps the HF checkpoint names onto those shards and
+refuses names or shapes it does not know.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..attention import ForwardContext, paged_attention_reference, store_kv
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from ..kv_cache import KVCache
+from .layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, device, dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, device, dtype)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, device, dtype)
+        self._ctx = ctx
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        meta = self._ctx.metadata
+        k_cache, v_cache = kv_cache.layer(self.layer_idx)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, device, dtype):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, device, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, device, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ctx, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.mlp = LlamaMLP(cfg, device, dtype)
+
+    def forward(self, x, residual, cos, sin, kv_cache):
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, device, dtype):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, device, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.rotary = RotaryEmbedding(cfg, max_positions, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model: weights on ``device`` in ``dtype``; KV cache and batch metadata come from the runner.
+
+    Owns device memory: every parameter and the RoPE table (a buffer); the
+    runner registers them with its ledger right after construction.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext,
+                 device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_positions, ctx, device, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """Final hidden states [T, hidden] for flat token ids [T] at ``positions``."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions, h.dtype)
+        residual = None
+        for layer in self.model.layers:
+            h, residual = layer(h, residual, cos, sin, kv_cache)
+        h, _ = self.model.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # -- weights -------------------------------------------------------------------------
+
+    def weight_shards(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF name -> (parameter, first row, row count) for every weight the checkpoint must provide."""
+        cfg = self.config
+        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        shards: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+        def whole(name: str, p: torch.Tensor) -> None:
+            shards[name] = (p, 0, p.shape[0])
+
+        whole("model.embed_tokens.weight", self.model.embed_tokens.weight)
+        whole("model.norm.weight", self.model.norm.weight)
+        if self.lm_head is not None:
+            whole("lm_head.weight", self.lm_head.weight)
+        for i, layer in enumerate(self.model.layers):
+            pre = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            whole(pre + "input_layernorm.weight", layer.input_layernorm.weight)
+            whole(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+            whole(pre + "self_attn.o_proj.weight", attn.o_proj.weight)
+            whole(pre + "mlp.down_proj.weight", mlp.down_proj.weight)
+            params = [("weight", attn.qkv_proj.weight)] + ([("bias", attn.qkv_proj.bias)] if cfg.attention_bias else [])
+            for kind, p in params:
+                shards[pre + f"self_attn.q_proj.{kind}"] = (p, 0, q)
+                shards[pre + f"self_attn.k_proj.{kind}"] = (p, q, kv)
+                shards[pre + f"self_attn.v_proj.{kind}"] = (p, q + kv, kv)
+            shards[pre + "mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, inter)
+            shards[pre + "mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, inter, inter)
+        return shards
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; returns the names loaded.
+
+        Unknown names, shape mismatches and (with ``require_all``) missing names
+        raise ModelLoadError naming the tensor.
+        """
+        shards = self.weight_shards()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied head: some checkpoints store the copy anyway
+            if name not in shards:
+                raise ModelLoadError(f"unexpected weight {name!r}: no such parameter in this {self.config.architecture} model")
+            param, start, rows = shards[name]
+            expected = (rows, *param.shape[1:])
+            if tuple(tensor.shape) != expected:
+                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            if not tensor.is_floating_point():
+                raise ModelLoadError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
+            param.narrow(0, start, rows).copy_(tensor, non_blocking=False)
+            loaded.add(name)
+        if require_all:
+            missing = sorted(set(shards) - loaded)
+            if missing:
+                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+                raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
+        return loaded

@@ -1,0 +1,106 @@
+"""ResourceLedger: who owns which device allocation.
+
+Every tensor the runner allocates for its own use is recorded here with an
+owner (``"weights"``, ``"kv_cache"``, ``"rope"``...), a human name and its byte
+count. The ledger keeps only weak references, so it never keeps memory alive
+itself; after a component is released, a reference that is still alive is a
+leak, and the ledger can say which one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    owner: str
+    name: str
+    nbytes: int
+    device: str
+    ref: weakref.ref
+
+    @property
+    def alive(self) -> bool:
+        return self.ref() is not None
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage behind ``t`` (a view counts its whole storage)."""
+    return t.untyped_storage().nbytes()
+
+
+class ResourceLedger:
+    """Weak-reference registry of the device allocations one runner made.
+
+    Owners are released in reverse order of their first ``track`` call, which
+    is the order ``owners_for_release`` returns.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, list[LedgerEntry]] = {}
+
+    def track(self, owner: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Record ``tensor`` under ``owner``; returns it so allocation sites stay one line."""
+        entry = LedgerEntry(owner, name, tensor_nbytes(tensor), str(tensor.device), weakref.ref(tensor))
+        self._entries.setdefault(owner, []).append(entry)
+        return tensor
+
+    def track_module(self, owner: str, module: torch.nn.Module, prefix: str = "") -> None:
+        """Record every parameter and buffer of ``module`` (shared tensors once)."""
+        seen: set[int] = set()
+        for name, t in list(module.named_parameters(prefix)) + list(module.named_buffers(prefix)):
+            if id(t) not in seen:
+                seen.add(id(t))
+                self.track(owner, name, t)
+
+    def forget(self, owner: str) -> list[LedgerEntry]:
+        """Drop the records of ``owner``; returns those whose tensor is still alive."""
+        return [e for e in self._entries.pop(owner, []) if e.alive]
+
+    def owners_for_release(self) -> list[str]:
+        return list(reversed(self._entries))
+
+    def entries(self, owner: str | None = None) -> Iterator[LedgerEntry]:
+        for o, entries in self._entries.items():
+            if owner is None or o == owner:
+                yield from entries
+
+    def live_entries(self) -> list[LedgerEntry]:
+        return [e for e in self.entries() if e.alive]
+
+    def bytes_by_owner(self) -> dict[str, int]:
+        """Live bytes per owner; storages shared between entries are counted once."""
+        out: dict[str, int] = {}
+        seen: set[int] = set()
+        for e in self.entries():
+            t = e.ref()
+            if t is None:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in seen and key != 0:
+                continue
+            seen.add(key)
+            out[e.owner] = out.get(e.owner, 0) + e.nbytes
+        return out
+
+    def report(self) -> str:
+        """A table of live resources by owner: entries, bytes, devices."""
+        rows = []
+        by_owner = self.bytes_by_owner()
+        for owner in self._entries:
+            live = [e for e in self._entries[owner] if e.alive]
+            if live:
+                devices = ",".join(sorted({e.device for e in live}))
+                rows.append((owner, len(live), by_owner.get(owner, 0), devices))
+        if not rows:
+            return "ResourceLedger: no live resources"
+        lines = [f"{'owner':<20} {'tensors':>8} {'MiB':>10}  device", "-" * 50]
+        for owner, n, nbytes, devices in rows:
+            lines.append(f"{owner:<20} {n:>8} {nbytes / 2**20:>10.2f}  {devices}")
+        lines.append(f"{'total':<20} {sum(r[1] for r in rows):>8} {sum(r[2] for r in rows) / 2**20:>10.2f}")
+        return "\n".join(lines)

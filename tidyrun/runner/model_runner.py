@@ -1,0 +1,158 @@
+"""ModelRunner: builds the model and KV cache on a device and runs scheduled batches.
+
+Owns device memory: model weights (``weights``), the RoPE table (``rope``)
+and the KV cache (``kv_cache``), each registered with ``self.ledger`` where
+it is allocated. ``shutdown`` releases them in reverse order of acquisition.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from ..attention import ForwardContext
+from ..config import EngineConfig, ModelConfig
+from ..errors import EngineShutdownError, InvalidRequestError, OutOfResourcesError
+from ..kv_cache import KVCache, bytes_per_block
+from ..loader import ModelSource
+from ..model.llama import LlamaForCausalLM
+from ..resources import ResourceLedger
+from ..sampling import Sampler
+from ..scheduler import ScheduledBatch
+from ..sequence import Sequence
+from .device import resolve_device, resolve_dtype, synchronize
+from .input_batch import build_input_batch
+
+_CPU_KV_BUDGET = 1 << 30  # 1 GiB unless the user says otherwise; pages are only touched when used
+
+
+class ModelRunner:
+    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+        self.ledger = ResourceLedger()
+        self.closed = False
+        self.model: LlamaForCausalLM | None = None
+        self.kv_cache: KVCache | None = None
+        self.model_config: ModelConfig = source.config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.max_model_len = self._resolve_max_model_len(config)
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+        self.ctx = ForwardContext()
+        try:
+            self._load_model(source)
+            self.num_kv_blocks = self._num_kv_blocks(config)
+            mc = self.model_config
+            self.kv_cache = KVCache(mc.num_layers, self.num_kv_blocks, self.block_size, mc.num_kv_heads,
+                                    mc.head_dim, self.dtype, self.device, self.ledger)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _resolve_max_model_len(self, config: EngineConfig) -> int:
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len is None:
+            return limit
+        if config.max_model_len > limit:
+            raise InvalidRequestError(
+                f"max_model_len={config.max_model_len} exceeds the model's context length ({limit})"
+            )
+        return config.max_model_len
+
+    def _load_model(self, source: ModelSource) -> None:
+        model = LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.device, self.dtype)
+        self.model = model
+        for name, p in model.named_parameters():
+            self.ledger.track("weights", name, p)
+        for name, b in model.named_buffers():
+            self.ledger.track("rope", name, b)
+        model.load_weights(source.iter_weights())
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        mc, cache = self.model_config, config.cache
+        per_block = bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        else:
+            budget = cache.memory_bytes if cache.memory_bytes is not None else self._default_kv_budget(config)
+            num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
+        if num_blocks * self.block_size < self.max_model_len:
+            if config.max_model_len is not None or num_blocks < 1:
+                raise OutOfResourcesError(
+                    f"the KV cache holds {num_blocks} blocks ({num_blocks * self.block_size} tokens), "
+                    f"less than one sequence of max_model_len={self.max_model_len} tokens; "
+                    "give it more memory or lower max_model_len"
+                )
+            self.max_model_len = num_blocks * self.block_size
+        return int(num_blocks)
+
+    def _default_kv_budget(self, config: EngineConfig) -> int:
+        if self.device.type != "cuda":
+            return _CPU_KV_BUDGET
+        free, total = torch.cuda.mem_get_info(self.device)
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        # Peak activations of the largest step, plus float32 logits/sort buffers of a full batch.
+        activations = config.max_num_batched_tokens * (6 * mc.hidden_size + 4 * mc.intermediate_size
+                                                       + mc.q_size + 2 * mc.kv_size) * elem
+        logits = config.max_num_seqs * mc.vocab_size * 4 * 4
+        budget = int(config.cache.gpu_memory_utilization * total) - (total - free) - activations - logits - (512 << 20)
+        if budget <= 0:
+            raise OutOfResourcesError(
+                f"no device memory left for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
+                f"with gpu_memory_utilization={config.cache.gpu_memory_utilization}"
+            )
+        return budget
+
+    def _check_alive(self) -> None:
+        if self.closed:
+            raise EngineShutdownError("the model runner has been shut down")
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Run one step; returns (sequence, sampled token) for sequences whose step reached their end."""
+        self._check_alive()
+        inputs = build_input_batch(batch, self.block_size, self.device)
+        with self.ctx.scope(inputs.metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache)
+        if not inputs.sampling_seqs:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        self._ban_stop_tokens_below_min(logits, inputs.sampling_seqs)
+        seqs = inputs.sampling_seqs
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return list(zip(seqs, tokens.tolist()))
+
+    @torch.inference_mode()
+    def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Float32 logits [T, vocab] of every token of a single-sequence batch (scoring, tests)."""
+        self._check_alive()
+        inputs = build_input_batch(batch, self.block_size, self.device)
+        with self.ctx.scope(inputs.metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache)
+        return self.model.compute_logits(hidden)
+
+    def _ban_stop_tokens_below_min(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for row, seq in enumerate(seqs):
+            if seq.below_min_tokens():
+                banned = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(self.eos_token_ids))
+                if banned:
+                    logits[row, sorted(banned)] = float("-inf")
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def shutdown(self) -> None:
+        """Release the KV cache, then the weights and RoPE table; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        synchronize(self.device)
+        self.kv_cache = None
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

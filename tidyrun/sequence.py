@@ -1,0 +1,103 @@
+"""One generated sequence: its tokens, KV blocks, detokenized text and stop state."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+
+import torch
+
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt + output token ids of one sample of a request, and where its KV lives.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; after a
+    preemption it drops to 0 and the sequence is recomputed from its tokens.
+    """
+
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer: Tokenizer, generator: torch.Generator | None) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.generator = generator
+        self.text = ""
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def below_min_tokens(self) -> bool:
+        return self.num_output_tokens < self.params.min_tokens
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def append_token(self, token_id: int, eos_token_ids: Collection[int], max_model_len: int) -> None:
+        """Add a sampled token, extend the text, and finish the sequence if a stop condition holds."""
+        self.token_ids.append(token_id)
+        p = self.params
+        allowed_to_stop = self.num_output_tokens >= p.min_tokens
+        if allowed_to_stop and token_id in p.stop_token_ids:
+            self.text += self._detok.flush()
+            self.finish("stop", token_id)
+            return
+        if allowed_to_stop and not p.ignore_eos and token_id in eos_token_ids:
+            self.text += self._detok.flush()
+            self.finish("stop", None)
+            return
+        delta = self._detok.push(token_id)
+        self.text += delta
+        if allowed_to_stop and p.stop and delta and self._check_stop_strings(len(delta)):
+            return
+        if (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) or self.num_tokens >= max_model_len:
+            self.text += self._detok.flush()
+            self.finish("length")
+
+    def _check_stop_strings(self, delta_len: int) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        search_from = max(0, len(self.text) - delta_len - longest + 1)
+        hits = [(self.text.find(s, search_from), s) for s in self.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        self.text = self.text[: at + len(stop) if self.params.include_stop_str_in_output else at]
+        self.finish("stop", stop)
+        return True
