@@ -6,9 +6,8 @@ from .errors import (EngineShutdownError, InvalidRequestError, ModelLoadError, O
 from .outputs import CompletionOutput, RequestOutput
 from .sampling import SamplingParams
 
-__all__ = [
+__all__ = (
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TidyrunError", "ModelLoadError",
     "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
-    "EngineShutdownError", "ResourceLeakError",
-]
+    "EngineShutdownError", "ResourceLeakError")
 __version__ = "0.1.0"

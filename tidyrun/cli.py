@@ -1,8 +1,9 @@
-"""Command line: ``tidyrun generate`` and ``tidyrun chat``."""
+"""Command line: ``tidyrun generate``, ``tidyrun chat`` and ``tidyrun audit``."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 import sys
 
 from .errors import TidyrunError
@@ -79,6 +80,88 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _audit_tidyrun(args, device) -> Iterator[tuple[str, object]]:
+    from .audit import leaks_since, snapshot
+    from .engine import LLM
+    from .sampling import SamplingParams
+
+    snap = snapshot()
+    with LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len) as llm:
+        yield "created", llm.ledger_report()
+        llm.generate([args.prompt] * 4, SamplingParams(max_tokens=args.max_tokens), use_tqdm=False)
+        yield "generated", None
+    yield "shutdown", str(llm.shutdown())
+    yield "survivors", leaks_since(snap, device=None if device.type == "cpu" else device.type)
+
+
+def _audit_transformers(args, device) -> Iterator[tuple[str, object]]:
+    """The usual recipe users apply to a transformers model: del, gc.collect, empty_cache."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .audit import find_device_tensors, leaks_since, snapshot
+    from .loader import default_model_path
+
+    path = args.model or default_model_path()
+    kwargs = {}
+    if path.endswith(".gguf"):
+        import os
+
+        path, kwargs["gguf_file"] = os.path.split(path)
+    snap = snapshot()
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
+                                                 **kwargs).to(device)
+    found = find_device_tensors(model, device.type)
+    yield "created", f"{len(found)} tensors, {sum(t.nbytes for t in found) / 2**20:.1f} MiB reachable from the model"
+    ids = tok([args.prompt] * 4, return_tensors="pt").to(device)
+    with torch.no_grad():
+        model.generate(**ids, max_new_tokens=args.max_tokens, do_sample=False)
+    yield "generated", None
+    del model, ids
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    yield "shutdown", "del model; gc.collect(); torch.cuda.empty_cache()"
+    yield "survivors", leaks_since(snap, device=None if device.type == "cpu" else device.type)
+
+
+def cmd_audit(args) -> int:
+    """create -> generate -> shutdown N times, printing memory at each step and any survivors."""
+    from .memory import sample_memory
+    from .runner.device import resolve_device
+
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.init()
+        torch.empty(1, device=device)  # the CUDA context is not ours to give back
+        del torch
+    base = sample_memory(device)
+    print(f"baseline            {base}")
+    audit = _audit_tidyrun if args.engine == "tidyrun" else _audit_transformers
+    leaked_any = False
+    for cycle in range(1, args.cycles + 1):
+        for step, detail in audit(args, device):
+            if step == "survivors":
+                leaked_any |= bool(detail)
+                for s in detail[:20]:
+                    print(f"  survivor: {s.description} ({s.nbytes} B) held by {s.chain}")
+                if len(detail) > 20:
+                    print(f"  ... {len(detail) - 20} more survivors")
+                continue
+            mem = sample_memory(device)
+            print(f"cycle {cycle} {step:<10} {mem}   (delta vs baseline: {mem.delta(base)})")
+            if detail and args.verbose:
+                print("  " + str(detail).replace("\n", "\n  "))
+    final = sample_memory(device).delta(base)
+    print(f"after {args.cycles} cycle(s): {final} above baseline; {'survivors found' if leaked_any else 'no survivors'}")
+    return 1 if leaked_any else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidyrun", description="In-process LLM inference that cleans up after itself")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    audit = sub.add_parser("audit", help="create -> generate -> shutdown N times; print memory and survivors")
+    audit.add_argument("--engine", choices=["tidyrun", "transformers"], default="tidyrun")
+    audit.add_argument("--cycles", type=int, default=3)
+    audit.add_argument("--prompt", default="The capital of France is")
+    audit.add_argument("--max-tokens", type=int, default=16)
+    audit.add_argument("--verbose", "-v", action="store_true", help="print the ledger and shutdown reports")
+    _engine_args(audit)
+    audit.set_defaults(func=cmd_audit)
     return parser
 
 

@@ -8,15 +8,18 @@ engines, so several can live in one process.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import CacheConfig, EngineConfig
 from .errors import EngineShutdownError, InvalidRequestError, PromptTooLongError
 from .kv_cache import BlockPool
 from .loader import open_model_source
 from .outputs import CompletionOutput, RequestOutput
+from .resources import drop_traceback_locals
 from .runner import ModelRunner
+from .runner.model_runner import ShutdownReport
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
@@ -38,6 +41,17 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class EngineShutdownReport(ShutdownReport):
+    """The runner's shutdown report plus the requests that were aborted by it."""
+
+    aborted: list[RequestOutput] = field(default_factory=list)
+
+
+def _shutdown_at_exit(runner: ModelRunner) -> None:
+    runner.shutdown()
 
 
 class LLM:
@@ -62,9 +76,16 @@ class LLM:
                                   gpu_memory_utilization=gpu_memory_utilization),
             )
         self.config = config
+        self._report: EngineShutdownReport | None = None
         self.source = open_model_source(config.model)
         self.tokenizer = self.source.load_tokenizer()
-        self.runner = ModelRunner(self.source, config, self.tokenizer.eos_token_ids)
+        try:
+            self.runner = ModelRunner(self.source, config, self.tokenizer.eos_token_ids)
+        except BaseException as exc:
+            drop_traceback_locals(exc)  # the runner already released what it took
+            raise
+        # Shut the runner down if this engine is garbage-collected or the interpreter exits first.
+        self._finalizer = weakref.finalize(self, _shutdown_at_exit, self.runner)
         self.scheduler = Scheduler(BlockPool(self.runner.num_kv_blocks), self.runner.block_size,
                                    config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, _Request] = {}
@@ -77,15 +98,27 @@ class LLM:
 
     @property
     def max_model_len(self) -> int:
+        self._check_alive()
         return self.runner.max_model_len
 
     @property
     def device(self):
+        self._check_alive()
         return self.runner.device
 
     @property
     def dtype(self):
+        self._check_alive()
         return self.runner.dtype
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._closed
+
+    def ledger_report(self) -> str:
+        """Table of the device memory this engine holds, by owner."""
+        self._check_alive()
+        return self.runner.ledger.report()
 
     # -- requests ----------------------------------------------------------------------
 
@@ -228,7 +261,7 @@ class LLM:
         holdback = max((len(s) for s in params.stop), default=1) - 1
         sent = 0
         try:
-            while not seq.is_finished:
+            while not seq.is_finished:  # a shutdown in between finishes it with "abort"
                 self.step()
                 visible = len(seq.text) if seq.is_finished else max(sent, len(seq.text) - holdback)
                 if visible > sent:
@@ -254,16 +287,31 @@ class LLM:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def shutdown(self) -> None:
-        """Abort in-flight requests and release every device resource; idempotent."""
-        if self._closed and self.runner is None:
-            return
+    def shutdown(self, strict: bool = False) -> EngineShutdownReport:
+        """Abort in-flight requests, release every device resource and verify nothing survived.
+
+        Idempotent; returns the report of the first call. ``strict=True``
+        raises ResourceLeakError if a tensor outlived the runner (the report
+        names the chain of references holding it).
+        """
+        if self._report is not None:
+            return self._report
+        if self.runner is None:  # construction failed before the runner existed
+            self._report = EngineShutdownReport()
+            return self._report
         self._closed = True
-        for request_id in list(getattr(self, "_requests", {})):
+        aborted = []
+        for request_id in list(self._requests):
             self.scheduler.abort(request_id)
-        if self.runner is not None:
-            self.runner.shutdown()
-        self.runner = None
+        aborted = self._pop_finished()
+        self._finalizer.detach()
+        runner, self.runner = self.runner, None
+        try:
+            report = runner.shutdown(strict=strict)
+        finally:
+            del runner
+        self._report = EngineShutdownReport(report.released_bytes, report.survivors, report.seconds, aborted)
+        return self._report
 
     close = shutdown
 

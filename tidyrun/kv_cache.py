@@ -51,7 +51,9 @@ class KVCache:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         try:
             self.tensor = ledger.track("kv_cache", "kv_cache", torch.empty(shape, dtype=dtype, device=device))
-        except torch.OutOfMemoryError as exc:
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # CUDA OOM, or the CPU allocator's RuntimeError
+            if not isinstance(exc, torch.OutOfMemoryError) and "memory" not in str(exc):
+                raise
             raise OutOfResourcesError(
                 f"cannot allocate a KV cache of {num_blocks} blocks x {block_size} tokens "
                 f"({bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) * num_blocks / 2**20:.0f} MiB) "

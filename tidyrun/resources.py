@@ -9,6 +9,7 @@ leak, and the ledger can say which one.
 
 from __future__ import annotations
 
+import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,3 +105,28 @@ class ResourceLedger:
             lines.append(f"{owner:<20} {n:>8} {nbytes / 2**20:>10.2f}  {devices}")
         lines.append(f"{'total':<20} {sum(r[1] for r in rows):>8} {sum(r[2] for r in rows) / 2**20:>10.2f}")
         return "\n".join(lines)
+
+
+def drop_traceback_locals(exc: BaseException) -> None:
+    """Clear the locals of finished frames in ``exc``'s traceback (and its causes).
+
+    A half-built model referenced by a local of a frame that raised would stay
+    alive for as long as the caller holds the exception; clearing those frames
+    lets a failed start give its memory back at once.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def free_device_caches(device: torch.device) -> None:
+    """Return the caching allocator's unused blocks and cuBLAS workspaces to the driver."""
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()  # private but stable since torch 2.0; workspaces otherwise live until exit
+    torch.cuda.empty_cache()

@@ -3,4 +3,4 @@
 from .metadata import AttentionMetadata, ForwardContext
 from .reference import paged_attention_reference, store_kv
 
-__all__ = ["AttentionMetadata", "ForwardContext", "paged_attention_reference", "store_kv"]
+__all__ = ("AttentionMetadata", "ForwardContext", "paged_attention_reference", "store_kv")

@@ -55,4 +55,4 @@ def open_model_source(model: str | None) -> ModelSource:
     raise ModelLoadError(f"folder {path!r} has neither config.json nor a .gguf file")
 
 
-__all__ = ["ModelSource", "open_model_source", "default_model_path"]
+__all__ = ("ModelSource", "open_model_source", "default_model_path")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -17,10 +18,10 @@ from ..errors import ModelLoadError, UnsupportedModelError
 from ..tokenizer import Tokenizer
 
 # GGUF architecture name -> tidyrun architecture. Mistral GGUFs say "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+_ARCHITECTURES = MappingProxyType({"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"})
 
 # Per-layer tensor suffix in GGUF -> HF suffix under model.layers.N.
-_LAYER_NAMES = {
+_LAYER_NAMES = MappingProxyType({
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -33,12 +34,12 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
+})
+_GLOBAL_NAMES = MappingProxyType({
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-}
+})
 
 
 def _open_reader(path: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from types import MappingProxyType
 
 import torch
 
@@ -12,7 +13,7 @@ from ..config import ModelConfig, RopeScaling
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..tokenizer import Tokenizer
 
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_MODEL_TYPES = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"})
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -2,4 +2,4 @@
 
 from .model_runner import ModelRunner
 
-__all__ = ["ModelRunner"]
+__all__ = ("ModelRunner",)

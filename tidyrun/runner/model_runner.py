@@ -1,23 +1,29 @@
 """ModelRunner: builds the model and KV cache on a device and runs scheduled batches.
 
-Owns device memory: model weights (``weights``), the RoPE table (``rope``)
-and the KV cache (``kv_cache``), each registered with ``self.ledger`` where
-it is allocated. ``shutdown`` releases them in reverse order of acquisition.
+Owns device memory: model weights (``weights``), the RoPE table (``rope``, a
+buffer of the model, released with it) and the KV cache (``kv_cache``), each
+registered with ``self.ledger`` where it is allocated. ``shutdown`` releases
+them in reverse order of acquisition and then proves, through the ledger's
+weak references, that none survived.
 """
 
 from __future__ import annotations
 
 import gc
+import time
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import ForwardContext
 from ..config import EngineConfig, ModelConfig
-from ..errors import EngineShutdownError, InvalidRequestError, OutOfResourcesError
+from ..audit import Survivor, survivor
+from ..errors import EngineShutdownError, InvalidRequestError, OutOfResourcesError, ResourceLeakError
 from ..kv_cache import KVCache, bytes_per_block
 from ..loader import ModelSource
 from ..model.llama import LlamaForCausalLM
-from ..resources import ResourceLedger
+from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
 from ..sampling import Sampler
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
@@ -25,6 +31,28 @@ from .device import resolve_device, resolve_dtype, synchronize
 from .input_batch import build_input_batch
 
 _CPU_KV_BUDGET = 1 << 30  # 1 GiB unless the user says otherwise; pages are only touched when used
+
+
+@dataclass
+class ShutdownReport:
+    """What a shutdown released and what, if anything, survived it."""
+
+    released_bytes: dict[str, int] = field(default_factory=dict)  # by owner, live before release
+    survivors: list[Survivor] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return not self.survivors
+
+    def __str__(self) -> str:
+        total = sum(self.released_bytes.values())
+        head = f"released {total / 2**20:.1f} MiB ({', '.join(f'{k}={v / 2**20:.1f} MiB' for k, v in self.released_bytes.items())}) in {self.seconds * 1e3:.0f} ms"
+        if self.clean:
+            return head + "; nothing survived"
+        lines = [head, f"{len(self.survivors)} tensor(s) survived shutdown:"]
+        lines += [f"  {s.description} ({s.nbytes} bytes) held by {s.chain}" for s in self.survivors]
+        return "\n".join(lines)
 
 
 class ModelRunner:
@@ -41,13 +69,17 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.ctx = ForwardContext()
+        self.shutdown_report: ShutdownReport | None = None
         try:
             self._load_model(source)
             self.num_kv_blocks = self._num_kv_blocks(config)
             mc = self.model_config
             self.kv_cache = KVCache(mc.num_layers, self.num_kv_blocks, self.block_size, mc.num_kv_heads,
                                     mc.head_dim, self.dtype, self.device, self.ledger)
-        except BaseException:
+        except BaseException as exc:
+            # Give back what was taken before re-raising: the half-built model must not stay
+            # alive through the frames of the traceback the caller is about to hold.
+            drop_traceback_locals(exc)
             self.shutdown()
             raise
 
@@ -145,14 +177,37 @@ class ModelRunner:
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def shutdown(self) -> None:
-        """Release the KV cache, then the weights and RoPE table; idempotent."""
-        if self.closed:
-            return
+    def _release(self, owner: str) -> None:
+        """Drop the runner's reference to the component that owns ``owner``'s tensors."""
+        if owner == "kv_cache":
+            self.kv_cache = None
+        elif owner in ("weights", "rope"):
+            self.model = None  # the RoPE table is a buffer of the model
+
+    def shutdown(self, strict: bool = False) -> ShutdownReport:
+        """Release every component (reverse acquisition order), free device caches, verify.
+
+        Idempotent: a second call returns the first call's report. A tensor
+        still alive afterwards is reported with the chain of references that
+        holds it; ``strict=True`` raises ResourceLeakError instead of warning.
+        """
+        if self.shutdown_report is not None:
+            return self.shutdown_report
+        start = time.perf_counter()
         self.closed = True
-        synchronize(self.device)
-        self.kv_cache = None
-        self.model = None
+        try:
+            synchronize(self.device)
+        except RuntimeError as exc:  # a failed kernel must not stop the release
+            warnings.warn(f"device synchronize failed during shutdown: {exc}", RuntimeWarning, stacklevel=2)
+        released = self.ledger.bytes_by_owner()
+        for owner in self.ledger.owners_for_release():
+            self._release(owner)
         gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_caches(self.device)
+        survivors = [s for s in (survivor(e.ref) for e in self.ledger.live_entries()) if s is not None]
+        self.shutdown_report = ShutdownReport(released, survivors, time.perf_counter() - start)
+        if survivors:
+            if strict:
+                raise ResourceLeakError(str(self.shutdown_report))
+            warnings.warn(str(self.shutdown_report), ResourceWarning, stacklevel=2)
+        return self.shutdown_report
