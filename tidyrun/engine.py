@@ -47,7 +47,8 @@ class _Request:
 class EngineShutdownReport(ShutdownReport):
     """The runner's shutdown report plus the requests that were aborted by it."""
 
-    aborted: list[RequestOutput] = field(default_factory=list)
+    aborted: list[RequestOutput] = field(default_factory=list)  # in-flight requests it aborted
+    unclaimed: list[RequestOutput] = field(default_factory=list)  # finished outputs nobody had collected
 
 
 def _shutdown_at_exit(runner: ModelRunner) -> None:
@@ -89,6 +90,8 @@ class LLM:
         self.scheduler = Scheduler(BlockPool(self.runner.num_kv_blocks), self.runner.block_size,
                                    config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, _Request] = {}
+        # Finished outputs not yet handed out; step() returns them, so none is ever dropped.
+        self._pending_outputs: list[RequestOutput] = []
         self._request_counter = itertools.count()
         self._seq_counter = itertools.count()
         self._seed_generator = self.runner.make_generator(config.seed)
@@ -177,15 +180,20 @@ class LLM:
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now; its sequences finish with finish_reason "abort" and free their blocks."""
+        """Stop a request now; its sequences finish with finish_reason "abort" and free their blocks.
+
+        Its output (tokens so far) is returned by the next ``step()``.
+        """
         self._check_alive()
         self.scheduler.abort(request_id)
+        self._collect_finished()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while requests run or finished outputs wait to be returned by ``step()``."""
+        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the outputs of requests that finished in it."""
+        """Run one scheduler step; returns the outputs of requests that finished (or were aborted) since the last."""
         self._check_alive()
         batch = self.scheduler.schedule()
         if batch.seqs:
@@ -196,13 +204,14 @@ class LLM:
                 seq.append_token(token, self.tokenizer.eos_token_ids, self.max_model_len)
                 if seq.is_finished:
                     self.scheduler.finish(seq)
-        return self._pop_finished()
+        self._collect_finished()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
 
-    def _pop_finished(self) -> list[RequestOutput]:
-        done = [r for r in self._requests.values() if r.finished]
-        for r in done:
+    def _collect_finished(self) -> None:
+        for r in [r for r in self._requests.values() if r.finished]:
             del self._requests[r.request_id]
-        return [r.output() for r in done]
+            self._pending_outputs.append(r.output())
 
     # -- batch API ---------------------------------------------------------------------
 
@@ -213,6 +222,9 @@ class LLM:
         self._check_alive()
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise InvalidRequestError(f"prompts must be a str, a dict, a list of token ids or a list of those, "
+                                      f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
@@ -233,19 +245,29 @@ class LLM:
         from tqdm.auto import tqdm
 
         results: dict[str, RequestOutput] = {}
+        others: list[RequestOutput] = []  # requests queued by add_request(): keep theirs for step()
         wanted = set(ids)
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while wanted - results.keys():
-                for out in self.step():
-                    results[out.request_id] = out
-                    bar.update(1 if out.request_id in wanted else 0)
+        try:
+            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while wanted - results.keys():
+                    for out in self.step():
+                        if out.request_id in wanted:
+                            results[out.request_id] = out
+                            bar.update(1)
+                        else:
+                            others.append(out)
+        finally:
+            self._pending_outputs[:0] = others
         return [results[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the model's chat template."""
         self._check_alive()
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts "
+                                      "(or a list of such conversations)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, add_generation_prompt)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -269,8 +291,9 @@ class LLM:
                     sent = visible
         finally:
             if not seq.is_finished and not self._closed:
+                # The caller closed its own stream: abort it and do not queue an output nobody wants.
                 self.abort_request(request_id)
-                self._pop_finished()
+                self._pending_outputs = [o for o in self._pending_outputs if o.request_id != request_id]
 
     def compute_logits(self, prompt: PromptType):
         """Float32 logits [num_tokens, vocab] at every position of ``prompt`` (a scoring primitive)."""
@@ -300,17 +323,19 @@ class LLM:
             self._report = EngineShutdownReport()
             return self._report
         self._closed = True
-        aborted = []
         for request_id in list(self._requests):
             self.scheduler.abort(request_id)
-        aborted = self._pop_finished()
+        self._collect_finished()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        aborted = [o for o in outputs if any(c.finish_reason == "abort" for c in o.outputs)]
+        unclaimed = [o for o in outputs if o not in aborted]
         self._finalizer.detach()
         runner, self.runner = self.runner, None
         try:
             report = runner.shutdown(strict=strict)
         finally:
             del runner
-        self._report = EngineShutdownReport(report.released_bytes, report.survivors, report.seconds, aborted)
+        self._report = EngineShutdownReport(report.released_bytes, report.survivors, report.seconds, aborted, unclaimed)
         return self._report
 
     close = shutdown

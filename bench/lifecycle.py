@@ -1,0 +1,125 @@
+"""Construction / shutdown time and leftover GPU memory: tidyrun vs transformers' usual recipe.
+
+    python bench/lifecycle.py [--shape llama-1.2b] [--json bench/results/lifecycle.json]
+
+Each engine runs in its own child process of this script, so each starts from
+a clean CUDA context; memory is read at three levels (allocated, reserved,
+driver used) after CUDA init and again after teardown, in that same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+PROMPTS = ["The quick brown fox", "To be, or not to be", "def main():", "All that glitters"] * 2
+
+
+def _baseline():
+    """(bare CUDA context, context + cuBLAS handles) readings; see tidyrun.memory.initialize_cuda."""
+    from tidyrun.memory import initialize_cuda
+
+    return initialize_cuda("cuda")
+
+
+def worker_tidyrun(ckpt: str) -> dict:
+    from tidyrun import LLM, SamplingParams
+    from tidyrun.memory import sample_memory
+
+    base = _baseline()
+    t0 = time.perf_counter()
+    llm = LLM(ckpt, device="cuda", dtype="bfloat16")
+    construct = time.perf_counter() - t0
+    peak = sample_memory("cuda")
+    llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
+    t0 = time.perf_counter()
+    report = llm.shutdown()
+    shutdown = time.perf_counter() - t0
+    after = sample_memory("cuda")
+    return dict(engine="tidyrun", recipe="llm.shutdown()", construct_s=construct, shutdown_s=shutdown,
+                held_gib=(peak.driver_used - base[1].driver_used) / 2**30, **_leftover(base, after),
+                survivors=len(report.survivors))
+
+
+def worker_transformers(ckpt: str) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidyrun.memory import sample_memory
+
+    base = _baseline()
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, device_map="cuda")
+    construct = time.perf_counter() - t0
+    peak = sample_memory("cuda")
+    tok.pad_token = tok.eos_token
+    batch = tok(PROMPTS, return_tensors="pt", padding=True).to("cuda")
+    with torch.no_grad():
+        model.generate(**batch, max_new_tokens=32, min_new_tokens=32, do_sample=True)
+    t0 = time.perf_counter()
+    del model, batch
+    gc.collect()
+    torch.cuda.empty_cache()
+    shutdown = time.perf_counter() - t0
+    after = sample_memory("cuda")
+    return dict(engine="transformers", recipe="del model; gc.collect(); torch.cuda.empty_cache()",
+                construct_s=construct, shutdown_s=shutdown, held_gib=(peak.driver_used - base[1].driver_used) / 2**30,
+                **_leftover(base, after), survivors=None)
+
+
+def _leftover(bases, after) -> dict:
+    context, blas = bases
+    d = after.delta(blas)
+    return dict(left_allocated_b=d.allocated, left_reserved_b=d.reserved, left_driver_mib=d.driver_used / 2**20,
+                left_driver_vs_bare_context_mib=after.delta(context).driver_used / 2**20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-1.2b")
+    ap.add_argument("--ckpt", default=None, help="existing checkpoint folder (default: write a random one)")
+    ap.add_argument("--json", default="bench/results/lifecycle.json")
+    ap.add_argument("--worker", choices=["tidyrun", "transformers"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        fn = worker_tidyrun if args.worker == "tidyrun" else worker_transformers
+        print("RESULT " + json.dumps(fn(args.ckpt)), flush=True)
+        return
+    from tidyrun.synthetic import write_random_checkpoint
+
+    ckpt = args.ckpt or os.path.join("/tmp/tidyrun-bench", args.shape)
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        t0 = time.perf_counter()
+        write_random_checkpoint(ckpt, args.shape, dtype=torch.bfloat16, device="cuda")
+        print(f"wrote random {args.shape} checkpoint to {ckpt} in {time.perf_counter() - t0:.1f} s")
+    rows = []
+    for engine in ("tidyrun", "transformers"):
+        out = subprocess.run([sys.executable, __file__, "--worker", engine, "--ckpt", ckpt],
+                             capture_output=True, text=True, check=False)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"{engine} worker failed:\n{out.stdout}\n{out.stderr}")
+        rows.append(json.loads(line[len("RESULT "):]))
+    print(f"\nshape {args.shape}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| engine | teardown | construct s | shutdown s | held GiB | left allocated B | left reserved B "
+          "| left driver MiB | left driver MiB vs bare context |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} | `{r['recipe']}` | {r['construct_s']:.2f} | {r['shutdown_s']:.3f} | {r['held_gib']:.2f} | "
+              f"{r['left_allocated_b']} | {r['left_reserved_b']} | {r['left_driver_mib']:.1f} "
+              f"| {r['left_driver_vs_bare_context_mib']:.1f} |")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(shape=args.shape, device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""On CUDA, shutdown returns allocated and reserved bytes exactly, and driver memory within 16 MiB.
+
+The baseline is taken after CUDA *and cuBLAS* are initialised (see
+``tidyrun.memory.initialize_cuda``): the cuBLAS handles torch creates at a
+process's first GEMM stay until exit whoever ran that GEMM. The test also
+prints the reading against the bare-context baseline.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tidyrun import LLM, OutOfResourcesError, SamplingParams
+from tidyrun.memory import MemorySample, initialize_cuda, sample_memory
+from tidyrun.synthetic import write_random_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+DRIVER_SLACK = 16 << 20
+SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+             intermediate_size=4096, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
+             rope_theta=10000.0)
+PROMPTS = ["The quick brown fox", "To be, or not to be", "def main():", "All that glitters"]
+PARAMS = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, ignore_eos=True, seed=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("gpu_ckpt")), SHAPE, dtype=torch.bfloat16)
+
+
+def baseline() -> MemorySample:
+    """Memory after the CUDA context and cuBLAS handles exist (both are the process's, not the engine's)."""
+    context, blas = initialize_cuda("cuda")
+    print(f"\nbare CUDA context {context}\nwith cuBLAS       {blas}")
+    return blas
+
+
+def assert_back_to(base: MemorySample, after: MemorySample) -> None:
+    assert after.allocated == base.allocated, f"allocated {after.allocated} != {base.allocated}"
+    assert after.reserved == base.reserved, f"reserved {after.reserved} != {base.reserved}"
+    assert abs(after.driver_used - base.driver_used) <= DRIVER_SLACK, f"driver {after.delta(base)}"
+
+
+def run_cycle(checkpoint: str, **kwargs) -> None:
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", **kwargs)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    report = llm.shutdown(strict=True)
+    assert report.clean and sum(report.released_bytes.values()) > 0
+
+
+def test_shutdown_returns_every_byte(checkpoint):
+    base = baseline()
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16")  # default KV sizing: 90% of the GPU
+    during = sample_memory("cuda")
+    llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    report = llm.shutdown(strict=True)
+    after = sample_memory("cuda")
+    print(f"\nbaseline {base}\nengine   {during}\nafter    {after}\n{report}")
+    assert during.allocated - base.allocated > 1 << 30
+    assert_back_to(base, after)
+
+
+def test_fifty_cycles_zero_growth(checkpoint):
+    base = baseline()
+    readings = []
+    for _ in range(50):
+        run_cycle(checkpoint, kv_cache_memory=1 << 30)
+        readings.append(sample_memory("cuda"))
+    print(f"\nbaseline {base}\ncycle 1  {readings[0]}\ncycle 50 {readings[-1]}")
+    for r in readings:
+        assert_back_to(base, r)
+    assert readings[-1].driver_used - readings[0].driver_used <= 0
+    assert {r.allocated for r in readings} == {base.allocated}
+    assert {r.reserved for r in readings} == {base.reserved}
+
+
+def test_failed_start_returns_every_byte(checkpoint):
+    base = baseline()
+    with pytest.raises(OutOfResourcesError, match="KV cache"):
+        LLM(checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=10**8)
+    after = sample_memory("cuda")
+    print(f"\nfailed start: baseline {base}\nafter {after}")
+    assert_back_to(base, after)
+
+
+def test_planted_reference_is_reported_then_released(checkpoint):
+    base = baseline()
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
+    held = {"qkv": llm.runner.model.model.layers[2].self_attn.qkv_proj.weight}
+    report = llm.shutdown()
+    assert [s.chain for s in report.survivors] == [
+        "frame test_planted_reference_is_reported_then_released() local 'held' -> (dict)['qkv']"]
+    assert report.survivors[0].nbytes == held["qkv"].untyped_storage().nbytes()
+    held.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert_back_to(base, sample_memory("cuda"))
