@@ -29,10 +29,20 @@ def _baseline():
     return initialize_cuda("cuda")
 
 
+def _import_transformers() -> float:
+    """Both engines use transformers (tidyrun for its tokenizers): import it outside the timed region."""
+    t0 = time.perf_counter()
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    return time.perf_counter() - t0
+
+
 def worker_tidyrun(ckpt: str) -> dict:
     from tidyrun import LLM, SamplingParams
     from tidyrun.memory import sample_memory
 
+    import_s = _import_transformers()
     base = _baseline()
     t0 = time.perf_counter()
     llm = LLM(ckpt, device="cuda", dtype="bfloat16")
@@ -45,10 +55,11 @@ def worker_tidyrun(ckpt: str) -> dict:
     after = sample_memory("cuda")
     return dict(engine="tidyrun", recipe="llm.shutdown()", construct_s=construct, shutdown_s=shutdown,
                 held_gib=(peak.driver_used - base[1].driver_used) / 2**30, **_leftover(base, after),
-                survivors=len(report.survivors))
+                survivors=len(report.survivors), import_s=import_s, kv_cache_gib=report.released_bytes["kv_cache"] / 2**30)
 
 
 def worker_transformers(ckpt: str) -> dict:
+    import_s = _import_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tidyrun.memory import sample_memory
@@ -71,7 +82,7 @@ def worker_transformers(ckpt: str) -> dict:
     after = sample_memory("cuda")
     return dict(engine="transformers", recipe="del model; gc.collect(); torch.cuda.empty_cache()",
                 construct_s=construct, shutdown_s=shutdown, held_gib=(peak.driver_used - base[1].driver_used) / 2**30,
-                **_leftover(base, after), survivors=None)
+                **_leftover(base, after), survivors=None, import_s=import_s, kv_cache_gib=0.0)
 
 
 def _leftover(bases, after) -> dict:

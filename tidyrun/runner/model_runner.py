@@ -10,6 +10,7 @@ weak references, that none survived.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 from .device import resolve_device, resolve_dtype, synchronize
 from .input_batch import build_input_batch
+
+logger = logging.getLogger("tidyrun")
 
 _CPU_KV_BUDGET = 1 << 30  # 1 GiB unless the user says otherwise; pages are only touched when used
 
@@ -70,12 +73,20 @@ class ModelRunner:
         self.sampler = Sampler()
         self.ctx = ForwardContext()
         self.shutdown_report: ShutdownReport | None = None
+        self.startup_seconds: dict[str, float] = {}
         try:
+            t0 = time.perf_counter()
             self._load_model(source)
+            t1 = time.perf_counter()
             self.num_kv_blocks = self._num_kv_blocks(config)
             mc = self.model_config
             self.kv_cache = KVCache(mc.num_layers, self.num_kv_blocks, self.block_size, mc.num_kv_heads,
                                     mc.head_dim, self.dtype, self.device, self.ledger)
+            synchronize(self.device)
+            self.startup_seconds = {"weights": t1 - t0, "kv_cache": time.perf_counter() - t1}
+            logger.info("model runner ready on %s: weights %.2f s, KV cache of %d blocks %.2f s",
+                        self.device, self.startup_seconds["weights"], self.num_kv_blocks,
+                        self.startup_seconds["kv_cache"])
         except BaseException as exc:
             # Give back what was taken before re-raising: the half-built model must not stay
             # alive through the frames of the traceback the caller is about to hold.
