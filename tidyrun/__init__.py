@@ -1,7 +1,7 @@
 """tidyrun: an in-process LLM inference engine that gives back every byte it took."""
 
 from .engine import LLM
-from .errors import (EngineShutdownError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
+from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
                      PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError)
 from .outputs import CompletionOutput, RequestOutput
 from .sampling import SamplingParams

@@ -31,6 +31,8 @@ class FoundTensor:
 
 
 def _storage_nbytes(t: torch.Tensor) -> int:
+    if t.is_meta:
+        return 0
     try:
         return t.untyped_storage().nbytes()
     except RuntimeError:  # meta / sparse tensors

@@ -61,12 +61,16 @@ class LLM:
     ``model`` is a GGUF file, a folder with one GGUF file, or a Hugging Face
     folder; None means the bundled SmolLM2-135M-Instruct. ``device``/``dtype``
     default to the accelerator in bf16 if there is one, else the CPU in fp32.
+    ``keep_host_buffers`` keeps the pinned host copy of the weights between
+    level-1 sleeps (allocated once, reused; costs host memory the size of the
+    weights while awake).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, seed: int = 0, config: EngineConfig | None = None) -> None:
+                 gpu_memory_utilization: float = 0.9, seed: int = 0, keep_host_buffers: bool = True,
+                 config: EngineConfig | None = None) -> None:
         self._closed = True  # until construction succeeds; makes shutdown() safe on a failed start
         self.runner: ModelRunner | None = None
         if config is None:
@@ -81,7 +85,7 @@ class LLM:
         self.source = open_model_source(config.model)
         self.tokenizer = self.source.load_tokenizer()
         try:
-            self.runner = ModelRunner(self.source, config, self.tokenizer.eos_token_ids)
+            self.runner = ModelRunner(self.source, config, self.tokenizer.eos_token_ids, keep_host_buffers)
         except BaseException as exc:
             drop_traceback_locals(exc)  # the runner already released what it took
             raise
@@ -117,6 +121,49 @@ class LLM:
     @property
     def is_shut_down(self) -> bool:
         return self._closed
+
+    @property
+    def is_sleeping(self) -> bool:
+        self._check_alive()
+        return bool(self.runner.sleeping)
+
+    # -- sleep / wake / weights --------------------------------------------------------
+
+    def _check_idle(self, what: str) -> None:
+        n = len(self._requests)
+        if n:
+            raise InvalidRequestError(f"cannot {what} with {n} request(s) in flight; let them finish or abort them")
+
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Give device memory back between rollouts; returns the bytes released by owner.
+
+        Level 1 copies the weights to pinned host memory (one copy) and frees
+        every device buffer; level 2 discards the weights too (``wake_up``
+        re-reads them from the model files, or ``update_weights`` supplies new
+        ones). While asleep, generation raises EngineSleepingError rather than
+        silently re-allocating memory a trainer may be using; call
+        ``wake_up()`` first.
+        """
+        self._check_alive()
+        self._check_idle("sleep")
+        return self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep released: everything, or only ``["weights"]`` / ``["kv_cache"]``."""
+        self._check_alive()
+        self.runner.wake_up(tags)
+
+    def update_weights(self, weights) -> int:
+        """Load new weights in place from a state dict or an iterable of (HF name, tensor).
+
+        Names, shapes and dtypes are checked (a dict before anything is
+        copied); unknown names are rejected with InvalidRequestError. Works
+        while awake, or while asleep at level 2 (then all weights are needed).
+        Returns the number of tensors loaded.
+        """
+        self._check_alive()
+        self._check_idle("update weights")
+        return self.runner.update_weights(weights)
 
     def ledger_report(self) -> str:
         """Table of the device memory this engine holds, by owner."""
@@ -158,6 +205,7 @@ class LLM:
                     request_id: str | None = None) -> str:
         """Queue a request; it runs on the following ``step()`` calls. Returns its id."""
         self._check_alive()
+        self.runner.check_awake()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -234,6 +282,7 @@ class LLM:
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt rejects the whole call cleanly.
+        self.runner.check_awake()
         for p, sp in zip(prompts, params_list):
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
@@ -298,6 +347,7 @@ class LLM:
     def compute_logits(self, prompt: PromptType):
         """Float32 logits [num_tokens, vocab] at every position of ``prompt`` (a scoring primitive)."""
         self._check_alive()
+        self.runner.check_awake()
         _, ids = self._tokenize(prompt)
         self._validate_tokens(ids)
         seq = Sequence(next(self._seq_counter), "__logits__", 0, ids, SamplingParams(), self.tokenizer, None)

@@ -34,5 +34,9 @@ class EngineShutdownError(TidyrunError, RuntimeError):
     """A call was made on an engine or runner after ``shutdown()``."""
 
 
+class EngineSleepingError(TidyrunError, RuntimeError):
+    """A call needs device state that ``sleep()`` released; call ``wake_up()`` first."""
+
+
 class ResourceLeakError(TidyrunError, RuntimeError):
     """``shutdown(strict=True)`` found device tensors that outlived the runner."""

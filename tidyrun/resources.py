@@ -21,7 +21,6 @@ import torch
 class LedgerEntry:
     owner: str
     name: str
-    nbytes: int
     device: str
     ref: weakref.ref
 
@@ -29,10 +28,16 @@ class LedgerEntry:
     def alive(self) -> bool:
         return self.ref() is not None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor holds now (0 once dead, or while its storage is released for sleep)."""
+        t = self.ref()
+        return 0 if t is None else tensor_nbytes(t)
+
 
 def tensor_nbytes(t: torch.Tensor) -> int:
-    """Bytes of the storage behind ``t`` (a view counts its whole storage)."""
-    return t.untyped_storage().nbytes()
+    """Bytes of the storage behind ``t`` (a view counts its whole storage); meta tensors hold none."""
+    return 0 if t.is_meta else t.untyped_storage().nbytes()
 
 
 class ResourceLedger:
@@ -47,17 +52,10 @@ class ResourceLedger:
 
     def track(self, owner: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Record ``tensor`` under ``owner``; returns it so allocation sites stay one line."""
-        entry = LedgerEntry(owner, name, tensor_nbytes(tensor), str(tensor.device), weakref.ref(tensor))
-        self._entries.setdefault(owner, []).append(entry)
+        entries = self._entries.setdefault(owner, [])
+        entries[:] = [e for e in entries if e.alive]  # re-allocation after sleep replaces dead records
+        entries.append(LedgerEntry(owner, name, str(tensor.device), weakref.ref(tensor)))
         return tensor
-
-    def track_module(self, owner: str, module: torch.nn.Module, prefix: str = "") -> None:
-        """Record every parameter and buffer of ``module`` (shared tensors once)."""
-        seen: set[int] = set()
-        for name, t in list(module.named_parameters(prefix)) + list(module.named_buffers(prefix)):
-            if id(t) not in seen:
-                seen.add(id(t))
-                self.track(owner, name, t)
 
     def forget(self, owner: str) -> list[LedgerEntry]:
         """Drop the records of ``owner``; returns those whose tensor is still alive."""
@@ -80,13 +78,13 @@ class ResourceLedger:
         seen: set[int] = set()
         for e in self.entries():
             t = e.ref()
-            if t is None:
+            if t is None or tensor_nbytes(t) == 0:
                 continue
             key = t.untyped_storage().data_ptr()
-            if key in seen and key != 0:
+            if key in seen:
                 continue
             seen.add(key)
-            out[e.owner] = out.get(e.owner, 0) + e.nbytes
+            out[e.owner] = out.get(e.owner, 0) + tensor_nbytes(t)
         return out
 
     def report(self) -> str:
@@ -95,7 +93,7 @@ class ResourceLedger:
         by_owner = self.bytes_by_owner()
         for owner in self._entries:
             live = [e for e in self._entries[owner] if e.alive]
-            if live:
+            if live and by_owner.get(owner, 0):
                 devices = ",".join(sorted({e.device for e in live}))
                 rows.append((owner, len(live), by_owner.get(owner, 0), devices))
         if not rows:

@@ -1,8 +1,9 @@
 """Building blocks of Llama-family models.
 
-Parameters are created uninitialised (``torch.empty``) on the target device
-and filled by the loader: running a random initialiser over a billion
-parameters only to overwrite them costs seconds for nothing.
+Parameters are created on the meta device (shape and dtype, no memory): the
+runner's WeightArena places all of them in one device buffer and the loader
+fills it. Running a random initialiser over a billion parameters only to
+overwrite them would cost seconds for nothing.
 """
 
 from __future__ import annotations
@@ -16,26 +17,26 @@ from torch import nn
 from ..config import ModelConfig, RopeScaling
 
 
-def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device="meta", dtype=dtype), requires_grad=False)
 
 
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with a weight laid out [out_features, in_features] like HF."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
-        self.weight = _param(out_features, in_features, device=device, dtype=dtype)
-        self.bias = _param(out_features, device=device, dtype=dtype) if bias else None
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype):
         super().__init__()
-        self.weight = _param(num_embeddings, dim, device=device, dtype=dtype)
+        self.weight = _param(num_embeddings, dim, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
@@ -48,10 +49,10 @@ class RMSNorm(nn.Module):
     each decoder layer does one add-and-norm instead of two passes.
     """
 
-    def __init__(self, dim: int, eps: float, device: torch.device, dtype: torch.dtype):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
-        self.weight = _param(dim, device=device, dtype=dtype)
+        self.weight = _param(dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
@@ -86,16 +87,26 @@ class RotaryEmbedding(nn.Module):
     """Per-model cos/sin table for positions [0, max_positions).
 
     The table is a buffer of this module (not a module-level cache), so it is
-    owned, tracked and freed with the model it belongs to.
+    owned, tracked and freed with the model it belongs to. ``build`` computes
+    it on a device, ``release`` drops it (sleep); both are the runner's calls.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(0, device="meta"), persistent=False)
+        self.register_buffer("sin", torch.empty(0, device="meta"), persistent=False)
+
+    def build(self, device: torch.device) -> None:
+        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def release(self) -> None:
+        self.cos = torch.empty(0, device="meta")
+        self.sin = torch.empty(0, device="meta")
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for ``positions``, shaped [T, 1, head_dim] to broadcast over heads."""

@@ -21,14 +21,14 @@ from .layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, device, dtype):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, dtype):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, device, dtype)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, device, dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype)
         self._ctx = ctx
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
@@ -45,11 +45,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device, dtype):
+    def __init__(self, cfg: ModelConfig, dtype):
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, device, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, device, dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -57,12 +57,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, device, dtype):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_idx, ctx, device, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = LlamaMLP(cfg, device, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ctx, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
 
     def forward(self, x, residual, cos, sin, kv_cache):
         h, residual = self.input_layernorm(x, residual)
@@ -72,27 +72,27 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, device, dtype):
+    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, dtype):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, device, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.rotary = RotaryEmbedding(cfg, max_positions, device)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(cfg, max_positions)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model: weights on ``device`` in ``dtype``; KV cache and batch metadata come from the runner.
+    """The model in ``dtype``; KV cache and batch metadata come from the runner.
 
-    Owns device memory: every parameter and the RoPE table (a buffer); the
-    runner registers them with its ledger right after construction.
+    Built on the meta device (no memory). Its device memory, the parameters
+    and the RoPE table, is placed by the runner (WeightArena, RotaryEmbedding.build)
+    and registered with the runner's ledger there.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, dtype: torch.dtype):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions, ctx, device, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, device, dtype)
+        self.model = LlamaModel(cfg, max_positions, ctx, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Final hidden states [T, hidden] for flat token ids [T] at ``positions``."""
@@ -110,60 +110,88 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights -------------------------------------------------------------------------
 
-    def weight_shards(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF name -> (parameter, first row, row count) for every weight the checkpoint must provide."""
+    def weight_shards(self) -> dict[str, tuple[torch.Tensor, int, int, tuple[int, ...]]]:
+        """HF name -> (parameter, first row, row count, parameter shape) for every weight the checkpoint must provide.
+
+        Shapes come from the config, not the parameters, so weights can be
+        checked while the parameters are released (asleep).
+        """
         cfg = self.config
-        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        shards: dict[str, tuple[torch.Tensor, int, int]] = {}
+        h, q, kv, inter, vocab = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
+        shards: dict[str, tuple[torch.Tensor, int, int, tuple[int, ...]]] = {}
 
-        def whole(name: str, p: torch.Tensor) -> None:
-            shards[name] = (p, 0, p.shape[0])
+        def whole(name: str, p: torch.Tensor, shape: tuple[int, ...]) -> None:
+            shards[name] = (p, 0, shape[0], shape)
 
-        whole("model.embed_tokens.weight", self.model.embed_tokens.weight)
-        whole("model.norm.weight", self.model.norm.weight)
+        whole("model.embed_tokens.weight", self.model.embed_tokens.weight, (vocab, h))
+        whole("model.norm.weight", self.model.norm.weight, (h,))
         if self.lm_head is not None:
-            whole("lm_head.weight", self.lm_head.weight)
+            whole("lm_head.weight", self.lm_head.weight, (vocab, h))
         for i, layer in enumerate(self.model.layers):
             pre = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            whole(pre + "input_layernorm.weight", layer.input_layernorm.weight)
-            whole(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
-            whole(pre + "self_attn.o_proj.weight", attn.o_proj.weight)
-            whole(pre + "mlp.down_proj.weight", mlp.down_proj.weight)
-            params = [("weight", attn.qkv_proj.weight)] + ([("bias", attn.qkv_proj.bias)] if cfg.attention_bias else [])
-            for kind, p in params:
-                shards[pre + f"self_attn.q_proj.{kind}"] = (p, 0, q)
-                shards[pre + f"self_attn.k_proj.{kind}"] = (p, q, kv)
-                shards[pre + f"self_attn.v_proj.{kind}"] = (p, q + kv, kv)
-            shards[pre + "mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, inter)
-            shards[pre + "mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, inter, inter)
+            whole(pre + "input_layernorm.weight", layer.input_layernorm.weight, (h,))
+            whole(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight, (h,))
+            whole(pre + "self_attn.o_proj.weight", attn.o_proj.weight, (h, q))
+            whole(pre + "mlp.down_proj.weight", mlp.down_proj.weight, (h, inter))
+            params = [("weight", attn.qkv_proj.weight, (q + 2 * kv, h))]
+            if cfg.attention_bias:
+                params.append(("bias", attn.qkv_proj.bias, (q + 2 * kv,)))
+            for kind, p, shape in params:
+                shards[pre + f"self_attn.q_proj.{kind}"] = (p, 0, q, shape)
+                shards[pre + f"self_attn.k_proj.{kind}"] = (p, q, kv, shape)
+                shards[pre + f"self_attn.v_proj.{kind}"] = (p, q + kv, kv, shape)
+            gate_up = (2 * inter, h)
+            shards[pre + "mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, inter, gate_up)
+            shards[pre + "mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, inter, inter, gate_up)
         return shards
+
+    def _target(self, shards: dict, name: str, tensor: torch.Tensor):
+        """The (parameter, first row, rows) ``name`` goes to, after checking its shape and dtype."""
+        if name not in shards:
+            raise ModelLoadError(f"unexpected weight {name!r}: no such parameter in this {self.config.architecture} model")
+        param, start, rows, shape = shards[name]
+        expected = (rows, *shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        if not tensor.is_floating_point():
+            raise ModelLoadError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
+        return param, start, rows
+
+    def _check_complete(self, shards: dict, loaded: set[str]) -> None:
+        missing = sorted(set(shards) - loaded)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
+
+    def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> None:
+        """Validate names, shapes and dtypes without copying anything (for all-or-nothing updates)."""
+        shards = self.weight_shards()
+        names = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            self._target(shards, name, tensor)
+            names.add(name)
+        if require_all:
+            self._check_complete(shards, names)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the names loaded.
 
         Unknown names, shape mismatches and (with ``require_all``) missing names
-        raise ModelLoadError naming the tensor.
+        raise ModelLoadError naming the tensor. Parameters must be placed
+        (materialized) first.
         """
         shards = self.weight_shards()
         loaded: set[str] = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied head: some checkpoints store the copy anyway
-            if name not in shards:
-                raise ModelLoadError(f"unexpected weight {name!r}: no such parameter in this {self.config.architecture} model")
-            param, start, rows = shards[name]
-            expected = (rows, *param.shape[1:])
-            if tuple(tensor.shape) != expected:
-                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-            if not tensor.is_floating_point():
-                raise ModelLoadError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
+            param, start, rows = self._target(shards, name, tensor)
             param.narrow(0, start, rows).copy_(tensor, non_blocking=False)
             loaded.add(name)
         if require_all:
-            missing = sorted(set(shards) - loaded)
-            if missing:
-                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-                raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
+            self._check_complete(shards, loaded)
         return loaded

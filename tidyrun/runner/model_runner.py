@@ -1,10 +1,13 @@
 """ModelRunner: builds the model and KV cache on a device and runs scheduled batches.
 
-Owns device memory: model weights (``weights``), the RoPE table (``rope``, a
-buffer of the model, released with it) and the KV cache (``kv_cache``), each
-registered with ``self.ledger`` where it is allocated. ``shutdown`` releases
-them in reverse order of acquisition and then proves, through the ledger's
-weak references, that none survived.
+Owns device memory: model weights (``weights``, one WeightArena buffer), the
+RoPE table (``rope``, a buffer of the model) and the KV cache (``kv_cache``),
+each registered with ``self.ledger`` where it is allocated; and, after a
+level-1 sleep, the pinned host copy of the weights (``host_weights``).
+``shutdown`` releases them in reverse order of acquisition and then proves,
+through the ledger's weak references, that none survived. ``sleep`` and
+``wake_up`` release and restore the same components without rebuilding the
+model.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 from ..attention import ForwardContext
 from ..config import EngineConfig, ModelConfig
 from ..audit import Survivor, survivor
-from ..errors import EngineShutdownError, InvalidRequestError, OutOfResourcesError, ResourceLeakError
+from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
+                      OutOfResourcesError, ResourceLeakError)
 from ..kv_cache import KVCache, bytes_per_block
 from ..loader import ModelSource
 from ..model.llama import LlamaForCausalLM
@@ -30,6 +34,9 @@ from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 from .device import resolve_device, resolve_dtype, synchronize
 from .input_batch import build_input_batch
+from .weights import WeightArena
+
+SLEEP_TAGS = ("weights", "kv_cache")
 
 logger = logging.getLogger("tidyrun")
 
@@ -59,11 +66,18 @@ class ShutdownReport:
 
 
 class ModelRunner:
-    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int],
+                 keep_host_buffers: bool = True) -> None:
         self.ledger = ResourceLedger()
         self.closed = False
+        self.source = source
         self.model: LlamaForCausalLM | None = None
+        self.arena: WeightArena | None = None
         self.kv_cache: KVCache | None = None
+        self.keep_host_buffers = keep_host_buffers
+        self.sleeping: set[str] = set()  # components released by sleep(), from SLEEP_TAGS
+        self.sleep_level: int | None = None
+        self.last_transfer: dict[str, float] = {}
         self.model_config: ModelConfig = source.config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -79,9 +93,7 @@ class ModelRunner:
             self._load_model(source)
             t1 = time.perf_counter()
             self.num_kv_blocks = self._num_kv_blocks(config)
-            mc = self.model_config
-            self.kv_cache = KVCache(mc.num_layers, self.num_kv_blocks, self.block_size, mc.num_kv_heads,
-                                    mc.head_dim, self.dtype, self.device, self.ledger)
+            self._allocate_kv_cache()
             synchronize(self.device)
             self.startup_seconds = {"weights": t1 - t0, "kv_cache": time.perf_counter() - t1}
             logger.info("model runner ready on %s: weights %.2f s, KV cache of %d blocks %.2f s",
@@ -105,13 +117,26 @@ class ModelRunner:
         return config.max_model_len
 
     def _load_model(self, source: ModelSource) -> None:
-        model = LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.device, self.dtype)
-        self.model = model
-        for name, p in model.named_parameters():
-            self.ledger.track("weights", name, p)
-        for name, b in model.named_buffers():
-            self.ledger.track("rope", name, b)
-        model.load_weights(source.iter_weights())
+        self.model = LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.dtype)
+        self.arena = WeightArena(self.model, self.device, self.dtype, self.ledger, self.keep_host_buffers)
+        self._place_weights()
+        self.model.load_weights(source.iter_weights())
+
+    def _place_weights(self) -> None:
+        """Allocate the weight buffer and the RoPE table (contents of the weights still to be filled)."""
+        self.arena.materialize()
+        self._build_rope()
+
+    def _build_rope(self) -> None:
+        rotary = self.model.model.rotary
+        rotary.build(self.device)
+        self.ledger.track("rope", "rope.cos", rotary.cos)
+        self.ledger.track("rope", "rope.sin", rotary.sin)
+
+    def _allocate_kv_cache(self) -> None:
+        mc = self.model_config
+        self.kv_cache = KVCache(mc.num_layers, self.num_kv_blocks, self.block_size, mc.num_kv_heads,
+                                mc.head_dim, self.dtype, self.device, self.ledger)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         mc, cache = self.model_config, config.cache
@@ -154,10 +179,107 @@ class ModelRunner:
         if self.closed:
             raise EngineShutdownError("the model runner has been shut down")
 
+    def check_awake(self) -> None:
+        self._check_alive()
+        if self.sleeping:
+            raise EngineSleepingError(
+                f"the engine is asleep (level {self.sleep_level}; released: {', '.join(sorted(self.sleeping))}); "
+                "call wake_up() first")
+
+    # -- sleep / wake / weight updates ---------------------------------------------------
+
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Release device memory: level 1 keeps the weights in pinned host memory, level 2 discards them.
+
+        Returns the device bytes released, by ledger owner.
+        """
+        self._check_alive()
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.sleeping:
+            raise InvalidRequestError(f"the engine is already asleep (level {self.sleep_level})")
+        synchronize(self.device)
+        before = self.ledger.bytes_by_owner()
+        start = time.perf_counter()
+        if level == 1:
+            self.arena.offload()
+        else:
+            self.arena.release()
+            self.arena.host = None
+        offload = time.perf_counter() - start
+        self.model.model.rotary.release()
+        self.kv_cache = None
+        gc.collect()
+        free_device_caches(self.device)
+        self.sleeping, self.sleep_level = set(SLEEP_TAGS), level
+        self.last_transfer = {"sleep_s": time.perf_counter() - start, "offload_s": offload,
+                              "weight_bytes": self.arena.nbytes if level == 1 else 0}
+        after = self.ledger.bytes_by_owner()
+        return {k: v - after.get(k, 0) for k, v in before.items() if v - after.get(k, 0) > 0}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore released components (all, or those in ``tags``: "weights", "kv_cache")."""
+        self._check_alive()
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise InvalidRequestError(f"unknown wake_up tags {unknown}; use {list(SLEEP_TAGS)}")
+        start = time.perf_counter()
+        if "weights" in tags and "weights" in self.sleeping:
+            if self.sleep_level == 1:
+                self.arena.restore()
+                self.last_transfer["restore_s"] = time.perf_counter() - start
+                self._build_rope()
+            else:
+                self._place_weights()
+                self.model.load_weights(self.source.iter_weights())
+                self.last_transfer["reload_s"] = time.perf_counter() - start
+            self.sleeping.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.sleeping:
+            self._allocate_kv_cache()
+            self.sleeping.discard("kv_cache")
+        synchronize(self.device)
+        self.last_transfer["wake_s"] = time.perf_counter() - start
+        if not self.sleeping:
+            self.sleep_level = None
+
+    def update_weights(self, weights) -> int:
+        """Copy HF-named tensors into the weights in place; returns how many were loaded.
+
+        While awake any subset may be given. Asleep at level 2 the weights are
+        re-allocated and every weight must be given (nothing else could fill
+        the rest). A mapping is checked completely before anything is copied.
+        """
+        self._check_alive()
+        if "weights" in self.sleeping and self.sleep_level == 1:
+            raise EngineSleepingError("the engine sleeps at level 1; call wake_up(['weights']) before update_weights()")
+        refill = "weights" in self.sleeping
+        try:
+            if hasattr(weights, "items"):
+                self.model.check_weights(weights.items(), require_all=refill)
+                weights = weights.items()
+            if refill:
+                self._place_weights()
+            try:
+                loaded = self.model.load_weights(weights, require_all=refill)
+            except BaseException:
+                if refill:  # leave no half-filled buffer behind: back to the released state
+                    self.arena.release()
+                    self.model.model.rotary.release()
+                raise
+        except ModelLoadError as exc:
+            raise InvalidRequestError(f"update_weights: {exc}") from exc
+        if refill:
+            self.sleeping.discard("weights")
+            if not self.sleeping:
+                self.sleep_level = None
+        synchronize(self.device)
+        return len(loaded)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Run one step; returns (sequence, sampled token) for sequences whose step reached their end."""
-        self._check_alive()
+        self.check_awake()
         inputs = build_input_batch(batch, self.block_size, self.device)
         with self.ctx.scope(inputs.metadata):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache)
@@ -172,7 +294,7 @@ class ModelRunner:
     @torch.inference_mode()
     def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Float32 logits [T, vocab] of every token of a single-sequence batch (scoring, tests)."""
-        self._check_alive()
+        self.check_awake()
         inputs = build_input_batch(batch, self.block_size, self.device)
         with self.ctx.scope(inputs.metadata):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache)
@@ -192,8 +314,12 @@ class ModelRunner:
         """Drop the runner's reference to the component that owns ``owner``'s tensors."""
         if owner == "kv_cache":
             self.kv_cache = None
+        elif owner == "host_weights":
+            if self.arena is not None:
+                self.arena.host = None
         elif owner in ("weights", "rope"):
             self.model = None  # the RoPE table is a buffer of the model
+            self.arena = None
 
     def shutdown(self, strict: bool = False) -> ShutdownReport:
         """Release every component (reverse acquisition order), free device caches, verify.
