@@ -213,7 +213,8 @@ class ModelRunner:
         free_device_caches(self.device)
         self.sleeping, self.sleep_level = set(SLEEP_TAGS), level
         self.last_transfer = {"sleep_s": time.perf_counter() - start, "offload_s": offload,
-                              "weight_bytes": self.arena.nbytes if level == 1 else 0}
+                              "d2h_copy_s": self.arena.last_copy_s if level == 1 else 0.0,
+                              "weight_bytes": self.arena.nbytes}
         after = self.ledger.bytes_by_owner()
         return {k: v - after.get(k, 0) for k, v in before.items() if v - after.get(k, 0) > 0}
 
@@ -229,6 +230,7 @@ class ModelRunner:
             if self.sleep_level == 1:
                 self.arena.restore()
                 self.last_transfer["restore_s"] = time.perf_counter() - start
+                self.last_transfer["h2d_copy_s"] = self.arena.last_copy_s
                 self._build_rope()
             else:
                 self._place_weights()

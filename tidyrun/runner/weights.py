@@ -8,6 +8,7 @@ their identity across sleep cycles; only their storage comes and goes.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ class WeightArena:
         self.numel = offset
         self.flat: torch.Tensor | None = None
         self.host: torch.Tensor | None = None
+        self.last_copy_s = 0.0  # duration of the last host<->device copy alone (for bandwidth reports)
 
     @property
     def nbytes(self) -> int:
@@ -82,16 +84,20 @@ class WeightArena:
             pin = self.device.type == "cuda"
             self.host = self._ledger.track("host_weights", "weights.host",
                                            torch.empty(self.numel, dtype=self.dtype, pin_memory=pin))
+        start = time.perf_counter()
         self.host.copy_(self.flat, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.last_copy_s = time.perf_counter() - start
         self.release()
 
     def restore(self) -> None:
         """Materialize and fill from the host copy in one non-blocking copy and a single synchronisation."""
         self.materialize()
+        start = time.perf_counter()
         self.flat.copy_(self.host, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.last_copy_s = time.perf_counter() - start
         if not self.keep_host_buffer:
             self.host = None
