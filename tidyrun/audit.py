@@ -27,7 +27,17 @@ class FoundTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: str
-    nbytes: int
+    nbytes: int  # the tensor's own elements
+    storage_nbytes: int  # the whole storage it views (shared by views of one buffer)
+    storage_ptr: int
+
+
+def unique_storage_bytes(tensors) -> int:
+    """Bytes held by a list of FoundTensor/Survivor, counting each shared storage once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[t.storage_ptr or id(t)] = t.storage_nbytes
+    return sum(seen.values())
 
 
 def _storage_nbytes(t: torch.Tensor) -> int:
@@ -82,21 +92,22 @@ def _children(obj) -> Iterable[tuple[str, object]]:
 def find_device_tensors(obj, device: str | None = None, root_name: str | None = None) -> list[FoundTensor]:
     """Every tensor reachable from ``obj`` (on ``device``'s type if given), each once, with a path.
 
-    ``device=None`` lists tensors on any device, so the same audit runs on CPU.
+    Views of one buffer are listed each; ``unique_storage_bytes`` sums the
+    memory they hold. ``device=None`` lists tensors on any device, so the
+    same audit runs on CPU.
     """
     root = root_name or type(obj).__name__
     seen: set[int] = {id(obj)}
-    seen_storage: set[tuple[str, int]] = set()
     found: list[FoundTensor] = []
     queue = deque([(obj, root, 0)])
     while queue:
         node, path, depth = queue.popleft()
         if isinstance(node, torch.Tensor):
             if device is None or node.device.type == torch.device(device).type:
-                key = (str(node.device), node.untyped_storage().data_ptr() if node.device.type != "meta" else id(node))
-                if key not in seen_storage or key[1] == 0:
-                    seen_storage.add(key)
-                    found.append(FoundTensor(path, tuple(node.shape), node.dtype, str(node.device), _storage_nbytes(node)))
+                own = 0 if node.is_meta else node.numel() * node.element_size()
+                ptr = 0 if node.is_meta else node.untyped_storage().data_ptr()
+                found.append(FoundTensor(path, tuple(node.shape), node.dtype, str(node.device), own,
+                                         _storage_nbytes(node), ptr))
             continue
         if depth >= _MAX_DEPTH:
             continue
@@ -139,8 +150,13 @@ def snapshot() -> Snapshot:
 @dataclass(frozen=True)
 class Survivor:
     description: str
-    nbytes: int
+    nbytes: int  # bytes of the storage it keeps alive
     chain: str
+    storage_ptr: int = 0
+
+    @property
+    def storage_nbytes(self) -> int:
+        return self.nbytes
 
 
 def _edge_label(holder, target) -> str | None:
@@ -288,7 +304,8 @@ def survivor(ref: weakref.ref) -> Survivor | None:
         return None
     desc = f"tensor{tuple(t.shape)} {t.dtype} on {t.device}"
     nbytes = _storage_nbytes(t)
+    ptr = 0 if t.is_meta else t.untyped_storage().data_ptr()
     del t
     target = ref()
     chain = referrer_chain(target) if target is not None else "<died>"
-    return Survivor(desc, nbytes, chain)
+    return Survivor(desc, nbytes, chain, ptr)

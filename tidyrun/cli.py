@@ -101,7 +101,7 @@ def _audit_transformers(args, device) -> Iterator[tuple[str, object]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .audit import find_device_tensors, leaks_since, snapshot
+    from .audit import find_device_tensors, leaks_since, snapshot, unique_storage_bytes
     from .loader import default_model_path
 
     path = args.model or default_model_path()
@@ -115,7 +115,7 @@ def _audit_transformers(args, device) -> Iterator[tuple[str, object]]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
                                                  **kwargs).to(device)
     found = find_device_tensors(model, device.type)
-    yield "created", f"{len(found)} tensors, {sum(t.nbytes for t in found) / 2**20:.1f} MiB reachable from the model"
+    yield "created", f"{len(found)} tensors, {unique_storage_bytes(found) / 2**20:.1f} MiB reachable from the model"
     ids = tok([args.prompt] * 4, return_tensors="pt").to(device)
     with torch.no_grad():
         model.generate(**ids, max_new_tokens=args.max_tokens, do_sample=False)

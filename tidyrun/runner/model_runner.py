@@ -22,7 +22,7 @@ import torch
 
 from ..attention import ForwardContext
 from ..config import EngineConfig, ModelConfig
-from ..audit import Survivor, survivor
+from ..audit import Survivor, survivor, unique_storage_bytes
 from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
                       OutOfResourcesError, ResourceLeakError)
 from ..kv_cache import KVCache, bytes_per_block
@@ -55,12 +55,17 @@ class ShutdownReport:
     def clean(self) -> bool:
         return not self.survivors
 
+    @property
+    def leaked_bytes(self) -> int:
+        """Bytes the survivors keep alive, each shared storage counted once."""
+        return unique_storage_bytes(self.survivors)
+
     def __str__(self) -> str:
         total = sum(self.released_bytes.values())
         head = f"released {total / 2**20:.1f} MiB ({', '.join(f'{k}={v / 2**20:.1f} MiB' for k, v in self.released_bytes.items())}) in {self.seconds * 1e3:.0f} ms"
         if self.clean:
             return head + "; nothing survived"
-        lines = [head, f"{len(self.survivors)} tensor(s) survived shutdown:"]
+        lines = [head, f"{len(self.survivors)} tensor(s) survived shutdown, holding {self.leaked_bytes / 2**20:.1f} MiB:"]
         lines += [f"  {s.description} ({s.nbytes} bytes) held by {s.chain}" for s in self.survivors]
         return "\n".join(lines)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -33,13 +34,15 @@ class WeightArena:
         self.device, self.dtype, self._ledger = device, dtype, ledger
         self.keep_host_buffer = keep_host_buffer
         align = _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
-        self._slots: list[tuple[str, nn.Module, str, tuple[int, ...], int]] = []
+        # Modules by weak reference: the model owns them, the arena only knows where their parameters go.
+        self._slots: list[tuple[str, weakref.ref, str, tuple[int, ...], int]] = []
         offset = 0
         for mod_name, module in model.named_modules():
             for attr, p in module._parameters.items():
                 if p is None:
                     continue
-                self._slots.append((f"{mod_name}.{attr}" if mod_name else attr, module, attr, tuple(p.shape), offset))
+                self._slots.append((f"{mod_name}.{attr}" if mod_name else attr, weakref.ref(module), attr,
+                                    tuple(p.shape), offset))
                 offset += -(-math.prod(p.shape) // align) * align
         self.numel = offset
         self.flat: torch.Tensor | None = None
@@ -58,7 +61,8 @@ class WeightArena:
         """Allocate the buffer and point every parameter at its slice (contents undefined)."""
         flat = self._ledger.track("weights", "weights.arena",
                                   torch.empty(self.numel, dtype=self.dtype, device=self.device))
-        for name, module, attr, shape, offset in self._slots:
+        for name, module_ref, attr, shape, offset in self._slots:
+            module = module_ref()
             view = flat[offset:offset + math.prod(shape)].view(shape)
             p = module._parameters[attr]
             if p.is_meta:  # first placement: meta tensors cannot take device data, so swap the Parameter
@@ -71,8 +75,8 @@ class WeightArena:
     def release(self) -> None:
         """Free the buffer; parameters become empty tensors on the same device."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for _, module, attr, _, _ in self._slots:
-            module._parameters[attr].data = empty
+        for _, module_ref, attr, _, _ in self._slots:
+            module_ref()._parameters[attr].data = empty
         self.flat = None
 
     def offload(self) -> None:
