@@ -11,6 +11,23 @@ from tidyrun import LLM
 from tidyrun.loader import default_model_path
 
 
+# Eight different chat questions used by batching tests on CPU and GPU.
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Who wrote Hamlet?",
+    "Explain photosynthesis in one sentence.",
+    "What is 12 times 11?",
+    "Name a famous painting.",
+    "How many legs does a spider have?",
+)
+# A 150M-parameter random Llama for GPU memory tests: big enough to show in readings, quick to build.
+GPU_TEST_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                      intermediate_size=4096, vocab_size=32000, max_position_embeddings=4096,
+                      tie_word_embeddings=False, rope_theta=10000.0)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import QUESTIONS
 from tidyrun import LLM, SamplingParams
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Explain photosynthesis in one sentence.",
-    "What is 12 times 11?",
-    "Name a famous painting.",
-    "How many legs does a spider have?",
-]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 

@@ -7,21 +7,11 @@ import os
 import pytest
 import torch
 
-from conftest import write_tiny_checkpoint
+from conftest import QUESTIONS, write_tiny_checkpoint
 from tidyrun import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Explain photosynthesis in one sentence.",
-    "What is 12 times 11?",
-    "Name a famous painting.",
-    "How many legs does a spider have?",
-]
 NUM_TOKENS = 32
 # bf16 rounding through 30 layers moves probabilities by a few 1e-3; 3e-2 still catches a wrong layout or op.
 PROB_TOL = 3e-2

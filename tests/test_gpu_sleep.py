@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import GPU_TEST_SHAPE
 from tidyrun import LLM, SamplingParams
 from tidyrun.memory import initialize_cuda, sample_memory
 from tidyrun.synthetic import write_random_checkpoint
@@ -12,16 +13,13 @@ from tidyrun.synthetic import write_random_checkpoint
 pytestmark = pytest.mark.gpu
 
 DRIVER_SLACK = 16 << 20
-SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-             intermediate_size=4096, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
-             rope_theta=10000.0)
 PROMPTS = ["The quick brown fox", "To be, or not to be", "def main():", "All that glitters"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    return write_random_checkpoint(str(tmp_path_factory.mktemp("gpu_sleep_ckpt")), SHAPE, dtype=torch.bfloat16)
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("gpu_sleep_ckpt")), GPU_TEST_SHAPE, dtype=torch.bfloat16)
 
 
 def tokens(llm: LLM) -> list[list[int]]:
