@@ -1,4 +1,4 @@
-"""Command line: ``tidyrun generate``, ``tidyrun chat`` and ``tidyrun audit``."""
+"""Command line: ``tidyrun generate``, ``chat``, ``serve`` and ``audit``."""
 
 from __future__ import annotations
 
@@ -162,6 +162,55 @@ def cmd_audit(args) -> int:
     return 1 if leaked_any else 0
 
 
+def _graceful_server(config):
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, so the process dies
+        with the signal's status; by then the engine has shut down cleanly, so tidyrun exits 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()
+
+    return GracefulServer(config)
+
+
+def cmd_serve(args) -> int:
+    """OpenAI-compatible server; SIGTERM/SIGINT stop it gracefully and shut the engine down."""
+    import logging
+    import os
+
+    import uvicorn
+
+    from .server import EngineLoop, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    llm = _build(args)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                      else "SmolLM2-135M-Instruct")
+    loop = EngineLoop(llm)
+    server: uvicorn.Server | None = None
+
+    def request_exit() -> None:
+        server.should_exit = True
+
+    app = create_app(loop, name, api_key=args.api_key,
+                     request_exit=request_exit if args.enable_shutdown_endpoint else None)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=args.graceful_timeout)
+    server = _graceful_server(config)
+    try:
+        server.run()
+    finally:
+        if loop.running or not llm.is_shut_down:  # lifespan did not run (e.g. the port was taken)
+            loop.stop()
+            llm.shutdown()
+    report = loop.shutdown_report or llm.shutdown()
+    print(f"tidyrun serve: engine shut down: {report}", file=sys.stderr)
+    return 0 if report.clean else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidyrun", description="In-process LLM inference that cleans up after itself")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and lifecycle routes")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--graceful-timeout", type=float, default=10.0,
+                       help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
+    serve.add_argument("--enable-shutdown-endpoint", action="store_true", help="expose POST /shutdown")
+    _engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     audit = sub.add_parser("audit", help="create -> generate -> shutdown N times; print memory and survivors")
     audit.add_argument("--engine", choices=["tidyrun", "transformers"], default="tidyrun")
     audit.add_argument("--cycles", type=int, default=3)

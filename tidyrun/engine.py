@@ -22,7 +22,7 @@ from .runner import ModelRunner
 from .runner.model_runner import ShutdownReport
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, streamable_length
 
 PromptType = str | list[int] | dict
 
@@ -256,6 +256,26 @@ class LLM:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
+    def request_output(self, request_id: str) -> RequestOutput | None:
+        """The output so far of a request still in flight (None once finished and collected)."""
+        self._check_alive()
+        request = self._requests.get(request_id)
+        return None if request is None else request.output()
+
+    def stats(self) -> dict:
+        """Queue, KV-cache and memory figures for monitoring (cheap; host-side state only)."""
+        self._check_alive()
+        pool = self.scheduler.pool
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_blocks - pool.num_free,
+            "preemptions": self.scheduler.num_preemptions,
+            "sleeping": bool(self.runner.sleeping),
+            "device_memory_bytes": self.runner.ledger.bytes_by_owner(),
+        }
+
     def _collect_finished(self) -> None:
         for r in [r for r in self._requests.values() if r.finished]:
             del self._requests[r.request_id]
@@ -328,13 +348,11 @@ class LLM:
             raise InvalidRequestError("stream() supports n=1 only")
         request_id = self.add_request(prompt, params)
         seq = self._requests[request_id].seqs[0]
-        # Hold back text that could still turn out to be the start of a stop string.
-        holdback = max((len(s) for s in params.stop), default=1) - 1
         sent = 0
         try:
             while not seq.is_finished:  # a shutdown in between finishes it with "abort"
                 self.step()
-                visible = len(seq.text) if seq.is_finished else max(sent, len(seq.text) - holdback)
+                visible = max(sent, streamable_length(seq.text, params.stop, seq.is_finished))
                 if visible > sent:
                     yield seq.text[sent:visible]
                     sent = visible

@@ -11,6 +11,14 @@ from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+def streamable_length(text: str, stop: tuple[str, ...], finished: bool) -> int:
+    """How much of ``text`` may be streamed now: while running, hold back what could
+    still turn out to be the start of a stop string (it would be cut from the output)."""
+    if finished or not stop:
+        return len(text)
+    return max(0, len(text) - (max(len(s) for s in stop) - 1))
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

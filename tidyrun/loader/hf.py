@@ -92,6 +92,34 @@ def config_from_hf(raw: dict, where: str) -> ModelConfig:
         raise ModelLoadError(f"{where!r} has a malformed field: {exc}") from exc
 
 
+def iter_safetensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the given .safetensors files, derived tensors skipped."""
+    from safetensors import safe_open
+
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # SafetensorError, OSError on truncated files
+            raise ModelLoadError(f"cannot read safetensors file {path!r}: {exc}") from exc
+
+
+def safetensors_files(path: str) -> list[str]:
+    """One .safetensors file, or every one in a folder (sorted)."""
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return [path]
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+        if files:
+            return files
+    raise ModelLoadError(f"{path!r} is neither a .safetensors file nor a folder holding some")
+
+
 class HFFolderSource:
     """A transformers-style folder. Holds the config and the shard list; weights are read per call."""
 
@@ -118,19 +146,7 @@ class HFFolderSource:
         return paths
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
-
-        for path in self._files:
-            try:
-                with safe_open(path, framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        if name.endswith(_IGNORED_SUFFIXES):
-                            continue
-                        yield name, f.get_tensor(name)
-            except ModelLoadError:
-                raise
-            except Exception as exc:  # SafetensorError, OSError on truncated files
-                raise ModelLoadError(f"cannot read safetensors file {path!r}: {exc}") from exc
+        return iter_safetensors(self._files)
 
     def load_tokenizer(self) -> Tokenizer:
         from transformers import AutoTokenizer

@@ -1,0 +1,72 @@
+"""Helpers for tests that run a real `tidyrun serve` process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`tidyrun serve` in a child process; ``stop()`` sends SIGTERM and returns (exit code, stderr)."""
+
+    def __init__(self, *args: str, timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tidyrun.cli", "serve", "--device", "cpu", "--port", str(self.port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.proc.stderr.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.proc.kill()
+        raise RuntimeError("server did not become healthy in time")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Poll /metrics until nothing runs or waits and no KV block is in use."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["tidyrun_requests_running"], m["tidyrun_requests_waiting"], m["tidyrun_kv_cache_usage_ratio"])
+            if idle == (0, 0, 0) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            raise
+        return self.proc.returncode, err

@@ -1,0 +1,310 @@
+"""The FastAPI application: OpenAI-compatible routes, lifecycle routes, metrics, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
+                      TidyrunError)
+from ..outputs import RequestOutput
+from ..sampling import SamplingParams
+from ..sequence import streamable_length
+from .engine_loop import EngineLoop
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest
+
+_DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI error type."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error_body(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def _as_api_error(exc: TidyrunError) -> APIError:
+    if isinstance(exc, EngineSleepingError):
+        return APIError(409, str(exc), "engine_sleeping")
+    if isinstance(exc, EngineShutdownError):
+        return APIError(503, str(exc), "service_unavailable")
+    if isinstance(exc, (InvalidRequestError, ModelLoadError)):
+        return APIError(400, str(exc))
+    return APIError(400, f"{type(exc).__name__}: {exc}")
+
+
+def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = None,
+               request_exit: Callable[[], None] | None = None) -> FastAPI:
+    """Build the app around a started-on-startup EngineLoop. ``request_exit`` enables POST /shutdown."""
+    llm = loop.llm
+    tokenizer = llm.tokenizer
+    max_model_len = llm.max_model_len
+    vocab = llm.runner.model_config.vocab_size
+    metrics = ServerMetrics(loop)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not loop.running:
+            loop.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+
+    app = FastAPI(title="tidyrun", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        metrics.count(request.url.path, exc.status)
+        return _error_body(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        metrics.count(request.url.path, 400)
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        return _error_body(400, "invalid request: " + "; ".join(parts), "invalid_request_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        metrics.count(request.url.path, exc.status_code)
+        return _error_body(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(TidyrunError)
+    async def _tidyrun_error(request: Request, exc: TidyrunError):
+        err = _as_api_error(exc)
+        metrics.count(request.url.path, err.status)
+        return _error_body(err.status, err.message, err.type)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # A bug, not a bad request: answer in OpenAI's shape; Starlette also logs the traceback.
+        metrics.count(request.url.path, 500)
+        return _error_body(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {api_key}":
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           "authentication_error", code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {served_model_name!r}",
+                           code="model_not_found", param="model")
+
+    def budget(prompt_len: int, requested: int | None) -> int:
+        room = max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                           f"{prompt_len} tokens and leaves no room to generate", param="prompt")
+        if requested is None:
+            return room
+        if requested > room:
+            raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                           f"{prompt_len} tokens and max_tokens asks for {requested} more", param="max_tokens")
+        return requested
+
+    def encode(prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            ids = prompt["prompt_token_ids"]
+            if not all(0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            return ids
+        return tokenizer.encode(prompt)
+
+    async def run_to_end(request: Request, ids: list[int], params: SamplingParams) -> RequestOutput:
+        """Consume a request to its end; a client that disconnects meanwhile aborts it."""
+        async def consume():
+            last = None
+            async for out in loop.generate({"prompt_token_ids": ids}, params):
+                last = out
+            return last
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    raise asyncio.CancelledError
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def stream_choices(ids: list[int], params: SamplingParams, make_chunk, include_usage: bool,
+                             on_first=None) -> AsyncIterator[str]:
+        """SSE chunks of every choice's new text per step; ``[DONE]`` at the end."""
+        sent: dict[int, int] = {}
+        done: set[int] = set()
+        last = None
+        if on_first is not None:
+            for i in range(params.n):
+                yield sse(on_first(i))
+        async for out in loop.generate({"prompt_token_ids": ids}, params):
+            last = out
+            for c in out.outputs:
+                if c.index in done:
+                    continue
+                visible = streamable_length(c.text, params.stop, c.finished)
+                start = sent.get(c.index, 0)
+                if visible > start or c.finished:
+                    yield sse(make_chunk(c.index, c.text[start:visible], c.finish_reason))
+                    sent[c.index] = max(start, visible)
+                if c.finished:
+                    done.add(c.index)
+        if last is not None:
+            n_out = sum(len(c.token_ids) for c in last.outputs)
+            metrics.tokens(len(ids), n_out)
+            if include_usage:
+                yield sse(make_chunk(None, None, None) | {"choices": [], "usage": usage(len(ids), n_out)})
+        yield "data: [DONE]\n\n"
+
+    # -- OpenAI routes -----------------------------------------------------------------
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def list_models():
+        metrics.count("/v1/models", 200)
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "tidyrun", "max_model_len": max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompts = [encode(p) for p in body.prompts()]
+        if body.stream and len(prompts) != 1:
+            raise APIError(400, "streaming supports one prompt per request", param="prompt")
+        created, rid, model = int(time.time()), f"cmpl-{uuid.uuid4().hex}", served_model_name
+        if body.stream:
+            ids = prompts[0]
+            params = body.sampling_params(budget(len(ids), body.max_tokens))
+
+            def chunk(index, text, finish):
+                choices = [] if index is None else [{"index": index, "text": text, "logprobs": None,
+                                                     "finish_reason": finish}]
+                return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+
+            metrics.count("/v1/completions", 200)
+            return StreamingResponse(stream_choices(ids, params, chunk, body.include_usage),
+                                     media_type="text/event-stream")
+        all_params = [body.sampling_params(budget(len(ids), body.max_tokens)) for ids in prompts]
+        outs = await asyncio.gather(*(run_to_end(request, ids, p) for ids, p in zip(prompts, all_params)))
+        choices, completion_tokens = [], 0
+        for k, out in enumerate(outs):
+            for c in out.outputs:
+                choices.append({"index": k * body.n + c.index, "text": c.text, "logprobs": None,
+                                "finish_reason": c.finish_reason})
+                completion_tokens += len(c.token_ids)
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        metrics.tokens(prompt_tokens, completion_tokens)
+        metrics.count("/v1/completions", 200)
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        ids = tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
+        params = body.sampling_params(budget(len(ids), body.requested_max_tokens))
+        created, rid, model = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", served_model_name
+        if body.stream:
+            def chunk(index, text, finish):
+                choices = [] if index is None else [{"index": index, "delta": {"content": text} if text else {},
+                                                     "logprobs": None, "finish_reason": finish}]
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": choices}
+
+            def first(index):
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]}
+
+            metrics.count("/v1/chat/completions", 200)
+            return StreamingResponse(stream_choices(ids, params, chunk, body.include_usage, first),
+                                     media_type="text/event-stream")
+        out = await run_to_end(request, ids, params)
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        metrics.tokens(len(ids), completion_tokens)
+        metrics.count("/v1/chat/completions", 200)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": None, "finish_reason": c.finish_reason} for c in out.outputs],
+                "usage": usage(len(ids), completion_tokens)}
+
+    # -- health, metrics, lifecycle ----------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if not loop.running:
+            raise APIError(503, "engine is not running", "service_unavailable")
+        return {"status": "ok", "sleeping": loop.stats.values.get("sleeping", False)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return PlainTextResponse(body, media_type=content_type)
+
+    @app.post("/sleep", dependencies=[Depends(check_key)])
+    async def sleep(level: int = Query(1, ge=1, le=2)):
+        freed = await loop.call(lambda e: e.sleep(level))
+        metrics.count("/sleep", 200)
+        return {"sleeping": True, "level": level, "freed_bytes": freed}
+
+    @app.post("/wake_up", dependencies=[Depends(check_key)])
+    async def wake_up(tags: list[str] | None = Query(None)):
+        def wake(e):
+            e.wake_up(tags)
+            return e.is_sleeping
+
+        still_sleeping = await loop.call(wake)
+        metrics.count("/wake_up", 200)
+        return {"sleeping": still_sleeping}
+
+    @app.get("/is_sleeping", dependencies=[Depends(check_key)])
+    async def is_sleeping():
+        return {"is_sleeping": await loop.call(lambda e: e.is_sleeping)}
+
+    @app.post("/update_weights", dependencies=[Depends(check_key)])
+    async def update_weights(body: UpdateWeightsRequest):
+        from ..loader.hf import iter_safetensors, safetensors_files
+
+        files = safetensors_files(body.path)
+        loaded = await loop.call(lambda e: e.update_weights(iter_safetensors(files)))
+        metrics.count("/update_weights", 200)
+        return {"updated": loaded, "files": len(files)}
+
+    if request_exit is not None:
+        @app.post("/shutdown", dependencies=[Depends(check_key)])
+        async def shutdown():
+            request_exit()
+            return {"shutting_down": True}
+
+    return app

@@ -1,0 +1,199 @@
+"""EngineLoop: one thread owns the LLM; HTTP handlers talk to it through a command queue.
+
+The LLM is not thread-safe, and batching needs one place that sees every
+request: the loop thread drains all pending commands (new requests, aborts,
+lifecycle calls), runs one engine step for everything in flight, and pushes
+each request's output so far to the asyncio queue of the handler waiting for
+it. Idle, it blocks on the command queue and costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from ..engine import LLM, PromptType
+from ..errors import EngineShutdownError
+from ..outputs import RequestOutput
+from ..sampling import SamplingParams
+
+logger = logging.getLogger("tidyrun.server")
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+@dataclass
+class EngineStats:
+    """Figures the metrics endpoint reads; replaced whole by the loop thread after every step."""
+
+    values: dict = field(default_factory=dict)
+
+
+class EngineLoop:
+    """Runs ``llm`` on a background thread until ``stop()``."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tidyrun-engine", daemon=True)
+        self.stats = EngineStats(llm.stats())
+        self.shutdown_report = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    # -- called from the event loop -----------------------------------------------------
+
+    def _check_running(self) -> None:
+        if not self.running:
+            raise EngineShutdownError("the server is shutting down")
+
+    async def generate(self, prompt: PromptType, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its output after every engine step until it finishes.
+
+        Leaving the iteration early (client gone, task cancelled) aborts the
+        request, which frees its KV blocks.
+        """
+        self._check_running()
+        request_id = uuid.uuid4().hex
+        sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
+        self._commands.put(("add", request_id, prompt, params, sub))
+        finished = False
+        try:
+            while True:
+                item = await sub.queue.get()
+                if isinstance(item, _Failure):
+                    finished = True
+                    raise item.error
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[LLM], object]):
+        """Run ``fn(llm)`` on the loop thread between steps and return its result (or raise its error)."""
+        self._check_running()
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", fn, future, asyncio.get_running_loop()))
+        return await future
+
+    def stop(self, timeout: float = 30.0):
+        """Abort what is in flight, shut the engine down on its thread, and join it; returns the report."""
+        self._stopping.set()
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+        return self.shutdown_report
+
+    # -- the loop thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        llm = self.llm
+        try:
+            while True:
+                block = not llm.has_unfinished_requests()
+                try:
+                    commands = [self._commands.get(block=block, timeout=None)] if block else []
+                except queue.Empty:
+                    commands = []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in commands:
+                    if cmd[0] == "stop":
+                        return
+                    self._execute(cmd)
+                if llm.has_unfinished_requests():
+                    self._step()
+                self.stats = EngineStats(llm.stats())
+        finally:
+            self._shutdown()
+
+    def _execute(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, request_id, prompt, params, sub = cmd
+            try:
+                self.llm.add_request(prompt, params, request_id=request_id)
+                self._subscribers[request_id] = sub
+            except Exception as exc:  # a bad request fails alone; the loop keeps serving
+                sub.push(_Failure(exc))
+        elif kind == "abort":
+            request_id = cmd[1]
+            if self._subscribers.pop(request_id, None) is not None:
+                self.llm.abort_request(request_id)
+        elif kind == "call":
+            _, fn, future, loop = cmd
+            try:
+                result = fn(self.llm)
+            except Exception as exc:
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _step(self) -> None:
+        try:
+            finished = {o.request_id: o for o in self.llm.step()}
+        except Exception as exc:  # an engine bug: fail the requests in flight, keep the server up
+            logger.exception("engine step failed; aborting %d request(s)", len(self._subscribers))
+            for request_id, sub in list(self._subscribers.items()):
+                self.llm.abort_request(request_id)
+                sub.push(_Failure(exc))
+            self._subscribers.clear()
+            self.llm.step()  # collect the aborted outputs
+            return
+        for request_id, sub in list(self._subscribers.items()):
+            out = finished.get(request_id) or self.llm.request_output(request_id)
+            if out is not None:
+                sub.push(out)
+            if request_id in finished:
+                del self._subscribers[request_id]
+
+    def _shutdown(self) -> None:
+        try:
+            report = self.llm.shutdown()
+            for out in report.aborted:
+                sub = self._subscribers.pop(out.request_id, None)
+                if sub is not None:
+                    sub.push(out)
+            self.shutdown_report = report
+            logger.info("engine shut down: %s", report)
+        except Exception:
+            logger.exception("engine shutdown failed")
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
