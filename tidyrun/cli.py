@@ -13,7 +13,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the accelerator if present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

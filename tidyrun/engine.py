@@ -211,14 +211,21 @@ class LLM:
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
         self._validate_tokens(ids)
-        request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
+        vocab = self.runner.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size ({vocab})")
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+            while request_id in self._requests:  # a caller-chosen id may have taken this one
+                request_id = str(next(self._request_counter))
+        request_id = str(request_id)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seqs = []
         for i in range(params.n):
             gen = None
             if not params.greedy:
-                seed = params.seed + i if params.seed is not None else int(
+                seed = (params.seed + i) % 2**63 if params.seed is not None else int(
                     __import__("torch").randint(0, 2**62, (1,), generator=self._seed_generator, device=self.device))
                 gen = self.runner.make_generator(seed)
             seqs.append(Sequence(next(self._seq_counter), request_id, i, ids, params, self.tokenizer, gen))
@@ -245,7 +252,15 @@ class LLM:
         self._check_alive()
         batch = self.scheduler.schedule()
         if batch.seqs:
-            sampled = self.runner.execute(batch)
+            try:
+                sampled = self.runner.execute(batch)
+            except BaseException:
+                # Do not retry a failing batch forever: its requests end with "abort" (their
+                # outputs come back from the next step) and the engine stays usable.
+                for request_id in {seq.request_id for seq in batch.seqs}:
+                    self.scheduler.abort(request_id)
+                self._collect_finished()
+                raise
             for seq, n in zip(batch.seqs, batch.num_new_tokens):
                 seq.num_computed_tokens += n
             for seq, token in sampled:
@@ -307,7 +322,16 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
             self._validate_tokens(self._tokenize(p)[1])
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                ids.append(self.add_request(p, sp))
+        except BaseException:  # all or nothing: withdraw what this call already queued
+            for request_id in ids:
+                self.scheduler.abort(request_id)
+            self._collect_finished()
+            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in ids]
+            raise
         return self._run_until_done(ids, use_tqdm)
 
     def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -349,9 +373,10 @@ class LLM:
         request_id = self.add_request(prompt, params)
         seq = self._requests[request_id].seqs[0]
         sent = 0
+        others: list[RequestOutput] = []  # requests queued by add_request(): keep theirs for step()
         try:
             while not seq.is_finished:  # a shutdown in between finishes it with "abort"
-                self.step()
+                others += [o for o in self.step() if o.request_id != request_id]
                 visible = max(sent, streamable_length(seq.text, params.stop, seq.is_finished))
                 if visible > sent:
                     yield seq.text[sent:visible]
@@ -360,7 +385,7 @@ class LLM:
             if not seq.is_finished and not self._closed:
                 # The caller closed its own stream: abort it and do not queue an output nobody wants.
                 self.abort_request(request_id)
-                self._pending_outputs = [o for o in self._pending_outputs if o.request_id != request_id]
+            self._pending_outputs = [o for o in others + self._pending_outputs if o.request_id != request_id]
 
     def compute_logits(self, prompt: PromptType):
         """Float32 logits [num_tokens, vocab] at every position of ``prompt`` (a scoring primitive)."""
@@ -400,10 +425,13 @@ class LLM:
         self._finalizer.detach()
         runner, self.runner = self.runner, None
         try:
-            report = runner.shutdown(strict=strict)
+            runner.shutdown(strict=strict)
         finally:
-            del runner
-        self._report = EngineShutdownReport(report.released_bytes, report.survivors, report.seconds, aborted, unclaimed)
+            # Kept even when strict shutdown raises, so a later call reports the same survivors.
+            report = runner.shutdown_report or ShutdownReport()
+            self._report = EngineShutdownReport(report.released_bytes, report.survivors, report.seconds,
+                                                aborted, unclaimed)
+            del runner, report
         return self._report
 
     close = shutdown

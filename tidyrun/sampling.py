@@ -73,8 +73,8 @@ class SamplingParams:
             raise bad(f"top_k must be -1, 0 (disabled) or a positive int, got {self.top_k!r}")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad(f"seed must be an int in [0, 2**63) or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -36,8 +36,13 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         group = num_heads // kv_heads
         keys = keys.repeat_interleave(group, dim=2)
         values = values.repeat_interleave(group, dim=2)
-    queries = q[meta.q_index]  # [B, Lq, H, D]
     key_pos = torch.arange(meta.max_seq_len, device=q.device)
+    # Slots past a sequence's length (and padding blocks) were never written: a freshly allocated
+    # cache may hold NaN/inf there, which a mask alone does not neutralise (NaN * 0 = NaN).
+    written = (key_pos[None, :] < meta.seq_lens[:, None])[:, :, None, None]
+    keys = torch.where(written, keys, 0.0)
+    values = torch.where(written, values, 0.0)
+    queries = q[meta.q_index]  # [B, Lq, H, D]
     mask = (key_pos[None, None, :] <= meta.q_positions[:, :, None]) & (
         key_pos[None, None, :] < meta.seq_lens[:, None, None]
     )

@@ -148,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _target(self, shards: dict, name: str, tensor: torch.Tensor):
         """The (parameter, first row, rows) ``name`` goes to, after checking its shape and dtype."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ModelLoadError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         if name not in shards:
             raise ModelLoadError(f"unexpected weight {name!r}: no such parameter in this {self.config.architecture} model")
         param, start, rows, shape = shards[name]

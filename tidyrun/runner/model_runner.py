@@ -70,6 +70,13 @@ class ShutdownReport:
         return "\n".join(lines)
 
 
+def _name_tensor_pairs(items):
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise InvalidRequestError(f"update_weights: expected (name, tensor) pairs, got {type(item).__name__}")
+        yield item
+
+
 class ModelRunner:
     def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int],
                  keep_host_buffers: bool = True) -> None:
@@ -261,6 +268,11 @@ class ModelRunner:
         if "weights" in self.sleeping and self.sleep_level == 1:
             raise EngineSleepingError("the engine sleeps at level 1; call wake_up(['weights']) before update_weights()")
         refill = "weights" in self.sleeping
+        if not hasattr(weights, "items") and not hasattr(weights, "__iter__"):
+            raise InvalidRequestError(
+                f"update_weights takes a state dict or an iterable of (name, tensor), got {type(weights).__name__}")
+        if not hasattr(weights, "items"):
+            weights = _name_tensor_pairs(weights)
         try:
             if hasattr(weights, "items"):
                 self.model.check_weights(weights.items(), require_all=refill)
