@@ -117,6 +117,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     seed: int = 0
+    enable_prefix_caching: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:

@@ -70,13 +70,14 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0, keep_host_buffers: bool = True,
-                 config: EngineConfig | None = None) -> None:
+                 enable_prefix_caching: bool = True, config: EngineConfig | None = None) -> None:
         self._closed = True  # until construction succeeds; makes shutdown() safe on a failed start
         self.runner: ModelRunner | None = None
         if config is None:
             config = EngineConfig(
                 model=model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+                enable_prefix_caching=enable_prefix_caching,
                 cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_bytes=kv_cache_memory,
                                   gpu_memory_utilization=gpu_memory_utilization),
             )
@@ -91,7 +92,8 @@ class LLM:
             raise
         # Shut the runner down if this engine is garbage-collected or the interpreter exits first.
         self._finalizer = weakref.finalize(self, _shutdown_at_exit, self.runner)
-        self.scheduler = Scheduler(BlockPool(self.runner.num_kv_blocks), self.runner.block_size,
+        self.scheduler = Scheduler(BlockPool(self.runner.num_kv_blocks, config.enable_prefix_caching),
+                                   self.runner.block_size,
                                    config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, _Request] = {}
         # Finished outputs not yet handed out; step() returns them, so none is ever dropped.
@@ -146,7 +148,9 @@ class LLM:
         """
         self._check_alive()
         self._check_idle("sleep")
-        return self.runner.sleep(level)
+        freed = self.runner.sleep(level)
+        self.scheduler.pool.reset_prefix_cache()  # the KV cache is gone
+        return freed
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what sleep released: everything, or only ``["weights"]`` / ``["kv_cache"]``."""
@@ -163,7 +167,10 @@ class LLM:
         """
         self._check_alive()
         self._check_idle("update weights")
-        return self.runner.update_weights(weights)
+        try:
+            return self.runner.update_weights(weights)
+        finally:
+            self.scheduler.pool.reset_prefix_cache()  # cached keys/values came from the old weights
 
     def ledger_report(self) -> str:
         """Table of the device memory this engine holds, by owner."""
@@ -263,6 +270,7 @@ class LLM:
                 raise
             for seq, n in zip(batch.seqs, batch.num_new_tokens):
                 seq.num_computed_tokens += n
+                self.scheduler.register_computed_blocks(seq)
             for seq, token in sampled:
                 seq.append_token(token, self.tokenizer.eos_token_ids, self.max_model_len)
                 if seq.is_finished:
@@ -287,6 +295,8 @@ class LLM:
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_blocks - pool.num_free,
             "preemptions": self.scheduler.num_preemptions,
+            "prefix_cached_tokens": self.scheduler.num_prefix_cached_tokens,
+            "prefill_tokens": self.scheduler.num_prefill_tokens,
             "sleeping": bool(self.runner.sleeping),
             "device_memory_bytes": self.runner.ledger.bytes_by_owner(),
         }

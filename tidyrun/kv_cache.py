@@ -7,7 +7,7 @@ the key/value of one token in every layer.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 import torch
 
@@ -16,23 +16,90 @@ from .resources import ResourceLedger
 
 
 class BlockPool:
-    """Free list of KV block ids. Host-only bookkeeping; owns no device memory."""
+    """KV block ids: reference counts, an LRU free queue, and the prefix cache.
 
-    def __init__(self, num_blocks: int) -> None:
+    A full block whose keys/values are computed is registered under the hash
+    of its tokens and of every token before it, so a later sequence with the
+    same prefix reuses the block instead of recomputing it. A block nobody
+    references goes to the tail of the free queue but keeps its cached
+    contents until it is handed out again (from the head: least recently
+    freed first). Host-only bookkeeping; owns no device memory.
+    """
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
     def num_free(self) -> int:
+        """Blocks that can be handed out (cached-but-unreferenced ones included)."""
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfResourcesError(f"asked for {n} KV blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref[block] = 1
+            blocks.append(block)
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        """Drop one reference to each block; unreferenced ones join the free queue, the last block first
+        (so a sequence's tail, the least shareable part, is evicted before its prefix)."""
+        for block in reversed(blocks):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
+
+    def lookup(self, prefix_hashes: list[int]) -> list[int]:
+        """The cached blocks of the longest prefix of ``prefix_hashes``."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in prefix_hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_unreferenced(self, blocks: list[int]) -> int:
+        return sum(1 for b in blocks if self._ref[b] == 0)
+
+    def share(self, blocks: list[int]) -> None:
+        """Take a reference to cached blocks (leaving the free queue if they were in it)."""
+        for block in blocks:
+            if self._ref[block] == 0:
+                del self._free[block]
+            self._ref[block] += 1
+
+    def register(self, block: int, prefix_hash: int) -> None:
+        """Mark a full, computed block as holding the prefix ``prefix_hash``."""
+        if self.enable_prefix_caching and prefix_hash not in self._cached and self._hash_of[block] is None:
+            self._cached[prefix_hash] = block
+            self._hash_of[block] = prefix_hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the KV contents are gone or stale: sleep, new weights)."""
+        self._cached.clear()
+        self._hash_of = [None] * self.num_blocks
+
+    def _evict(self, block: int) -> None:
+        h = self._hash_of[block]
+        if h is not None:
+            del self._cached[h]
+            self._hash_of[block] = None
 
 
 class KVCache:

@@ -2,7 +2,8 @@
 
 Each step first advances every running sequence (one decode token, or the
 next chunk of a prefill), then admits waiting sequences while the token
-budget, the sequence limit and free KV blocks allow. When a running sequence
+budget, the sequence limit and free KV blocks allow; an admitted sequence
+starts after the longest prefix of its tokens found in the prefix cache. When a running sequence
 needs a block and none is free, the most recently admitted running sequence
 is preempted: its blocks are freed and it is recomputed later from its
 tokens, which costs compute but never changes its output.
@@ -37,6 +38,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prefix_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_prefill_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -52,6 +55,24 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the start of a sequence that holds no blocks yet.
+
+        At least the last token is always recomputed: its logits are needed.
+        """
+        full = (seq.num_tokens - 1) // self.block_size
+        return self.pool.lookup(seq.block_hashes(self.block_size, full)) if full else []
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Offer blocks that became full and computed in the last step to the prefix cache."""
+        full = seq.num_computed_tokens // self.block_size
+        if full > seq.num_registered_blocks:
+            hashes = seq.block_hashes(self.block_size, full)
+            for i in range(seq.num_registered_blocks, full):
+                self.pool.register(seq.block_table[i], hashes[i])
+            seq.num_registered_blocks = full
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -83,13 +104,20 @@ class Scheduler:
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self._blocks_needed(seq, n)
-            if need > self.pool.num_free:
+            cached = self._cached_prefix(seq)
+            start = len(cached) * self.block_size
+            n = min(seq.num_tokens - start, budget)
+            need = -(-(start + n) // self.block_size) - len(cached)
+            if need + self.pool.num_unreferenced(cached) > self.pool.num_free:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.block_table.extend(self.pool.allocate(need))
+            self.pool.share(cached)
+            seq.block_table = cached + self.pool.allocate(need)
+            seq.num_registered_blocks = len(cached)
+            seq.num_computed_tokens = start
+            self.num_prefix_cached_tokens += start
+            self.num_prefill_tokens += seq.num_tokens
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)

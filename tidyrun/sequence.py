@@ -47,6 +47,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.generator = generator
         self.text = ""
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self._block_hashes: list[int] = []
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
 
     @property
@@ -68,6 +70,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+        """Prefix hashes of the first ``num_blocks`` full blocks: block i's hash covers tokens [0, (i+1)*bs)."""
+        while len(self._block_hashes) < num_blocks:
+            i = len(self._block_hashes)
+            parent = self._block_hashes[-1] if i else 0
+            self._block_hashes.append(hash((parent, tuple(self.token_ids[i * block_size:(i + 1) * block_size]))))
+        return self._block_hashes[:num_blocks]
 
     def below_min_tokens(self) -> bool:
         return self.num_output_tokens < self.params.min_tokens

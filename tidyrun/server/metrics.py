@@ -28,6 +28,10 @@ class _EngineCollector:
                                 value=stats.get("kv_blocks_used", 0) / total)
         yield GaugeMetricFamily("tidyrun_preemptions", "sequences preempted since start",
                                 value=stats.get("preemptions", 0))
+        yield GaugeMetricFamily("tidyrun_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                                value=stats.get("prefix_cached_tokens", 0))
+        yield GaugeMetricFamily("tidyrun_prefill_tokens", "prompt tokens of admitted sequences",
+                                value=stats.get("prefill_tokens", 0))
         yield GaugeMetricFamily("tidyrun_sleeping", "1 while the engine sleeps", value=int(stats.get("sleeping", 0)))
         memory = GaugeMetricFamily("tidyrun_device_memory_bytes", "device bytes held, by ledger owner",
                                    labels=["owner"])

@@ -1,0 +1,111 @@
+"""Prefix caching: repeated prefixes reuse KV blocks, outputs never change, stale blocks are never reused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import QUESTIONS
+from tidyrun import LLM, SamplingParams
+from tidyrun.kv_cache import BlockPool
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def tokens(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(llm):
+    # The default model's chat template puts a ~30-token system prompt in front of every question.
+    return [{"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])}
+            for q in QUESTIONS]
+
+
+def test_block_pool_reference_counts_and_lru_eviction():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    pool.register(a[0], 111)
+    pool.register(a[1], 222)
+    assert pool.lookup([111, 222, 333]) == a
+    pool.free(a)  # unreferenced but still cached
+    assert pool.num_free == 4 and pool.lookup([111, 222]) == a
+    pool.share(a[:1])
+    assert pool.num_free == 3
+    fresh = pool.allocate(2)  # the never-used blocks go first
+    assert set(fresh).isdisjoint(a) and pool.lookup([111, 222]) == a
+    evicting = pool.allocate(1)  # now the freed tail block (222) is evicted, the shared head kept
+    assert evicting == [a[1]] and pool.lookup([111, 222]) == [a[0]]
+    pool.free(fresh + evicting + a[:1])
+    assert pool.num_free == 4
+    pool.reset_prefix_cache()
+    assert pool.lookup([111]) == []
+
+
+def test_shared_system_prompt_is_reused_and_outputs_match_no_cache(default_model, chat_prompts):
+    with LLM(default_model, device="cpu", max_model_len=256, enable_prefix_caching=False) as plain:
+        expected = tokens(plain, chat_prompts)
+        assert plain.stats()["prefix_cached_tokens"] == 0
+    with LLM(default_model, device="cpu", max_model_len=256) as cached:
+        first = tokens(cached, chat_prompts[:1])
+        rest = tokens(cached, chat_prompts[1:])
+        again = tokens(cached, chat_prompts)
+        stats = cached.stats()
+        pool = cached.scheduler.pool
+        assert pool.num_free == pool.num_blocks
+    assert first + rest == expected and again == expected
+    # Every later prompt reused at least the system prompt's full blocks; the repeat reused almost all.
+    assert stats["prefix_cached_tokens"] >= 16 * 7 + sum(len(p["prompt_token_ids"]) - 16 for p in chat_prompts)
+
+
+def test_eviction_under_a_small_kv_budget_keeps_outputs(default_model, chat_prompts, llm):
+    expected = tokens(llm, chat_prompts)
+    with LLM(default_model, device="cpu", max_model_len=256, num_kv_blocks=20) as small:
+        for _ in range(2):
+            assert tokens(small, chat_prompts) == expected
+        assert small.scheduler.num_preemptions > 0
+        pool = small.scheduler.pool
+        assert pool.num_free == pool.num_blocks
+
+
+def test_new_weights_invalidate_the_cache(tiny_llama_dir, tmp_path):
+    prompt = [list(range(5, 45))]  # 40 tokens: two full blocks of 16 get cached
+    sd = load_file(os.path.join(tiny_llama_dir, "model.safetensors"))
+    new = {k: v * 1.5 if v.dim() == 2 else v for k, v in sd.items()}
+    with LLM(tiny_llama_dir, device="cpu") as llm:
+        tokens(llm, prompt)
+        assert llm.scheduler.pool.num_cached >= 2
+        llm.update_weights(new)
+        assert llm.scheduler.pool.num_cached == 0
+        after = tokens(llm, prompt)
+    folder = str(tmp_path / "scaled")
+    shutil.copytree(tiny_llama_dir, folder)
+    from safetensors.torch import save_file
+
+    save_file(new, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with LLM(folder, device="cpu") as fresh:
+        assert tokens(fresh, prompt) == after
+
+
+def test_sleep_invalidates_the_cache(tiny_llama_dir):
+    prompt = [list(range(5, 45))]
+    with LLM(tiny_llama_dir, device="cpu") as llm:
+        before = tokens(llm, prompt)
+        llm.sleep(level=1)
+        assert llm.scheduler.pool.num_cached == 0
+        llm.wake_up()
+        assert tokens(llm, prompt) == before
+
+
+def test_whole_prompt_cached_still_computes_the_last_token(tiny_llama_dir):
+    prompt = [list(range(5, 37))]  # exactly two blocks
+    with LLM(tiny_llama_dir, device="cpu") as llm:
+        first = tokens(llm, prompt)
+        cached_before = llm.stats()["prefix_cached_tokens"]
+        assert tokens(llm, prompt) == first
+        assert llm.stats()["prefix_cached_tokens"] - cached_before == 16  # block 2 holds the last token
