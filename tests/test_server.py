@@ -227,3 +227,19 @@ def test_graceful_stop_during_streaming(tiny_dir, sig):
     assert "Traceback" not in err, err
     assert "engine shut down" in err and "nothing survived" in err
     assert len(outcomes) == 4
+
+
+def test_embeddings(client, server):
+    r = client.embeddings.create(model="smol", input=["The capital of France is Paris.", "hi"])
+    assert [d.index for d in r.data] == [0, 1] and len(r.data[0].embedding) == 576
+    assert abs(sum(x * x for x in r.data[0].embedding) - 1.0) < 1e-4
+    import base64
+
+    import numpy as np
+
+    raw = httpx.post(server.url + "/v1/embeddings",
+                     json={"model": "smol", "input": "hi", "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype=np.float32)
+    assert np.allclose(decoded, r.data[1].embedding, atol=1e-6)
+    bad = httpx.post(server.url + "/v1/embeddings", json={"model": "smol", "input": "x", "pooling": "max"})
+    assert bad.status_code == 400

@@ -397,6 +397,38 @@ class LLM:
                 self.abort_request(request_id)
             self._pending_outputs = [o for o in others + self._pending_outputs if o.request_id != request_id]
 
+    def embed(self, texts: PromptType | list[PromptType], pooling: str = "last", normalize: bool = True):
+        """Embeddings [N, hidden] (float32, CPU) of texts (or token id lists) from the final hidden states.
+
+        ``pooling``: "last" token (the usual choice for decoder models), "mean"
+        over tokens, or "cls" (first token). Runs KV-free: no KV block is used.
+        """
+        self._check_alive()
+        self.runner.check_awake()
+        if isinstance(texts, (str, dict)) or (isinstance(texts, list) and texts and isinstance(texts[0], int)):
+            texts = [texts]
+        if not isinstance(texts, (list, tuple)) or not texts:
+            raise InvalidRequestError("embed() takes a text, a token id list, or a non-empty list of those")
+        token_lists = []
+        for t in texts:
+            ids = self._tokenize(t)[1]
+            if not ids:
+                raise InvalidRequestError("an input is empty (0 tokens)")
+            if len(ids) > self.max_model_len:
+                raise PromptTooLongError(f"an input has {len(ids)} tokens; embed() takes at most "
+                                         f"{self.max_model_len} (max_model_len)")
+            vocab = self.runner.model_config.vocab_size
+            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab for x in ids):
+                raise InvalidRequestError(f"token ids must be ints in [0, {vocab})")
+            token_lists.append(ids)
+        return self.runner.embed(token_lists, pooling, normalize, self.config.max_num_batched_tokens)
+
+    def score(self, text: PromptType, others: PromptType | list[PromptType], pooling: str = "last"):
+        """Cosine similarity [len(others)] between the embedding of ``text`` and each of ``others``."""
+        others = [others] if isinstance(others, (str, dict)) else list(others)
+        vectors = self.embed([text, *others], pooling=pooling, normalize=True)
+        return vectors[1:] @ vectors[0]
+
     def compute_logits(self, prompt: PromptType):
         """Float32 logits [num_tokens, vocab] at every position of ``prompt`` (a scoring primitive)."""
         self._check_alive()

@@ -18,13 +18,17 @@ class AttentionMetadata:
     tokens of its ``seq_lens[b]`` context tokens. Keys/values of token ``t``
     are written to cache slot ``slot_mapping[t]`` (block * block_size + offset).
 
+    Without ``slot_mapping``/``block_tables`` the batch is KV-free: every
+    sequence is complete in this step (pooling), keys come from the step
+    itself and nothing is written to the cache.
+
     Device tensors, created per step and dropped when the step's context ends.
     """
 
-    slot_mapping: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor | None  # [T] int64; None: KV-free
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32, context length after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_tables: torch.Tensor | None  # [B, max_blocks] int32; None: KV-free
     max_query_len: int
     max_seq_len: int
     # Gather maps for the padded reference path: query token (b, i) is flat token q_index[b, i].

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention import ForwardContext, paged_attention_reference, store_kv
+from ..attention import ForwardContext, causal_attention_dense, paged_attention_reference, store_kv
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..kv_cache import KVCache
@@ -31,16 +31,19 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype)
         self._ctx = ctx
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         meta = self._ctx.metadata
-        k_cache, v_cache = kv_cache.layer(self.layer_idx)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
+        if meta.block_tables is None:  # KV-free (pooling): complete sequences, nothing cached
+            out = causal_attention_dense(q, k, v, meta, self.scale)
+        else:
+            k_cache, v_cache = kv_cache.layer(self.layer_idx)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -94,7 +97,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, max_positions, ctx, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         """Final hidden states [T, hidden] for flat token ids [T] at ``positions``."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions, h.dtype)

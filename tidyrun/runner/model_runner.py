@@ -34,6 +34,7 @@ from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 from .device import resolve_device, resolve_dtype, synchronize
 from .input_batch import build_input_batch
+from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
 from .weights import WeightArena
 
 SLEEP_TAGS = ("weights", "kv_cache")
@@ -318,6 +319,24 @@ class ModelRunner:
         with self.ctx.scope(inputs.metadata):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache)
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def embed(self, token_lists: list[list[int]], pooling: str, normalized: bool, max_batch_tokens: int) -> torch.Tensor:
+        """Pooled final hidden states [N, hidden] (float32, CPU) of complete prompts, KV-free."""
+        self.check_awake()
+        if pooling not in POOLING_METHODS:
+            raise InvalidRequestError(f"pooling must be one of {POOLING_METHODS}, got {pooling!r}")
+        rows: list[torch.Tensor | None] = [None] * len(token_lists)
+        for group in chunks_by_tokens(token_lists, max_batch_tokens):
+            input_ids, positions, meta, starts = dense_batch([token_lists[i] for i in group], self.device)
+            with self.ctx.scope(meta):
+                hidden = self.model(input_ids, positions, None)
+            pooled = pool(hidden, starts, pooling)
+            if normalized:
+                pooled = normalize(pooled)
+            for i, row in zip(group, pooled.cpu()):
+                rows[i] = row
+        return torch.stack(rows)
 
     def _ban_stop_tokens_below_min(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for row, seq in enumerate(seqs):

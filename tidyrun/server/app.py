@@ -21,7 +21,7 @@ from ..sampling import SamplingParams
 from ..sequence import streamable_length
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, UpdateWeightsRequest
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -258,6 +258,29 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": None, "finish_reason": c.finish_reason} for c in out.outputs],
                 "usage": usage(len(ids), completion_tokens)}
+
+    @app.post("/v1/embeddings", dependencies=[Depends(check_key)])
+    async def embeddings(body: EmbeddingRequest):
+        import base64
+
+        import numpy as np
+
+        check_model(body.model)
+        token_lists = [encode({"prompt_token_ids": x}) if isinstance(x, list) else encode(x) for x in body.inputs()]
+        for ids in token_lists:
+            if not ids or len(ids) > max_model_len:
+                raise APIError(400, f"each input must have 1 to {max_model_len} tokens, got {len(ids)}", param="input")
+        vectors = await loop.call(lambda e: e.embed(token_lists, pooling=body.pooling, normalize=body.normalize))
+        data = []
+        for i, v in enumerate(vectors):
+            emb = (base64.b64encode(v.numpy().astype(np.float32).tobytes()).decode()
+                   if body.encoding_format == "base64" else v.tolist())
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        n_tokens = sum(len(ids) for ids in token_lists)
+        metrics.tokens(n_tokens, 0)
+        metrics.count("/v1/embeddings", 200)
+        return {"object": "list", "data": data, "model": served_model_name,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
     # -- health, metrics, lifecycle ----------------------------------------------------
 

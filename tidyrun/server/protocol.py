@@ -132,3 +132,28 @@ class ChatCompletionRequest(_SamplingFields):
 
 class UpdateWeightsRequest(BaseModel):
     path: str = Field(description="a .safetensors file or a folder of them, with Hugging Face tensor names")
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    pooling: Literal["last", "mean", "cls"] = "last"  # tidyrun extra
+    normalize: bool = True  # tidyrun extra
+
+    def inputs(self) -> list[str | list[int]]:
+        if self.dimensions is not None:
+            raise InvalidRequestError("dimensions is not supported by tidyrun")
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if not x:
+            raise InvalidRequestError("input must not be empty")
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]
+        if all(isinstance(t, (str, list)) for t in x):
+            return list(x)
+        raise InvalidRequestError("input must be a string, a list of strings, or (lists of) token ids")
