@@ -107,6 +107,41 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """n-gram prompt-lookup speculation: propose up to ``num_speculative_tokens`` tokens that followed
+    the latest earlier occurrence of the last ``prompt_lookup_max``..``prompt_lookup_min`` tokens."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        from .errors import InvalidRequestError
+
+        if self.method != "ngram":
+            raise InvalidRequestError(f"speculative method {self.method!r} is not supported (only 'ngram')")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise InvalidRequestError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                      f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+
+    @classmethod
+    def from_value(cls, value) -> SpeculativeConfig | None:
+        from .errors import InvalidRequestError
+
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"speculative must be a dict or SpeculativeConfig, got {type(value).__name__}")
+        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        if unknown:
+            raise InvalidRequestError(f"unknown speculative options: {sorted(unknown)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from. ``dtype``/``device`` of None mean "pick for me"."""
 
@@ -118,6 +153,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     seed: int = 0
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:

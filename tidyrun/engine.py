@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .config import CacheConfig, EngineConfig
+from .config import CacheConfig, EngineConfig, SpeculativeConfig
 from .errors import EngineShutdownError, InvalidRequestError, PromptTooLongError
 from .kv_cache import BlockPool
 from .loader import open_model_source
@@ -23,6 +23,7 @@ from .runner.model_runner import ShutdownReport
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, streamable_length
+from .spec_decode import NgramProposer
 
 PromptType = str | list[int] | dict
 
@@ -70,7 +71,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0, keep_host_buffers: bool = True,
-                 enable_prefix_caching: bool = True, config: EngineConfig | None = None) -> None:
+                 enable_prefix_caching: bool = True, speculative: dict | SpeculativeConfig | None = None,
+                 config: EngineConfig | None = None) -> None:
         self._closed = True  # until construction succeeds; makes shutdown() safe on a failed start
         self.runner: ModelRunner | None = None
         if config is None:
@@ -78,6 +80,7 @@ class LLM:
                 model=model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
+                speculative=SpeculativeConfig.from_value(speculative),
                 cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_bytes=kv_cache_memory,
                                   gpu_memory_utilization=gpu_memory_utilization),
             )
@@ -93,8 +96,9 @@ class LLM:
         # Shut the runner down if this engine is garbage-collected or the interpreter exits first.
         self._finalizer = weakref.finalize(self, _shutdown_at_exit, self.runner)
         self.scheduler = Scheduler(BlockPool(self.runner.num_kv_blocks, config.enable_prefix_caching),
-                                   self.runner.block_size,
-                                   config.max_num_seqs, config.max_num_batched_tokens)
+                                   self.runner.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                                   propose=self._proposer(config.speculative))
+        self._spec_counts = [0, 0]  # draft tokens proposed, accepted
         self._requests: dict[str, _Request] = {}
         # Finished outputs not yet handed out; step() returns them, so none is ever dropped.
         self._pending_outputs: list[RequestOutput] = []
@@ -102,6 +106,17 @@ class LLM:
         self._seq_counter = itertools.count()
         self._seed_generator = self.runner.make_generator(config.seed)
         self._closed = False
+
+    def _proposer(self, spec: SpeculativeConfig | None):
+        if spec is None:
+            return None
+        ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        max_len = self.runner.max_model_len
+
+        def propose(seq: Sequence, limit: int) -> list[int]:
+            return ngram.propose(seq.token_ids, min(limit, max_len - seq.num_tokens - 1))
+
+        return propose
 
     # -- properties --------------------------------------------------------------------
 
@@ -269,12 +284,23 @@ class LLM:
                 self._collect_finished()
                 raise
             for seq, n in zip(batch.seqs, batch.num_new_tokens):
-                seq.num_computed_tokens += n
-                self.scheduler.register_computed_blocks(seq)
-            for seq, token in sampled:
-                seq.append_token(token, self.tokenizer.eos_token_ids, self.max_model_len)
+                seq.num_computed_tokens += n - len(seq.draft_tokens)  # drafts count once verified
+            for seq, tokens in sampled:
+                for token in tokens:
+                    seq.append_token(token, self.tokenizer.eos_token_ids, self.max_model_len)
+                    if seq.is_finished:
+                        break
+                if seq.draft_tokens:
+                    accepted = len(tokens) - 1  # their keys/values, written this step, are now valid
+                    self._spec_counts[0] += len(seq.draft_tokens)
+                    self._spec_counts[1] += accepted
+                    seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
                 if seq.is_finished:
                     self.scheduler.finish(seq)
+            for seq in batch.seqs:
+                seq.draft_tokens = []
+                if not seq.is_finished:
+                    self.scheduler.register_computed_blocks(seq)
         self._collect_finished()
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
@@ -297,6 +323,8 @@ class LLM:
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cached_tokens": self.scheduler.num_prefix_cached_tokens,
             "prefill_tokens": self.scheduler.num_prefill_tokens,
+            "spec_draft_tokens": self._spec_counts[0],
+            "spec_accepted_tokens": self._spec_counts[1],
             "sleeping": bool(self.runner.sleeping),
             "device_memory_bytes": self.runner.ledger.bytes_by_owner(),
         }

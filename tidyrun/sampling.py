@@ -97,26 +97,35 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens
-        dev = logits.device
-        sub = logits[rows]
-        temps = torch.tensor([params[i].temperature for i in rows], device=dev, dtype=sub.dtype)
+        probs, order = self._sorted_filtered(logits[rows], [params[i] for i in rows])
+        picks = torch.stack([draw(probs[j], generators[i]) for j, i in enumerate(rows)])
+        tokens[rows] = order[torch.arange(len(rows), device=logits.device), picks]
+        return tokens
+
+    def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The distribution [rows, vocab] each (non-greedy) row samples from, after all filters."""
+        probs, order = self._sorted_filtered(logits, params)
+        return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+    @staticmethod
+    def _sorted_filtered(sub: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = sub.device
+        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=sub.dtype)
         sorted_logits, order = (sub / temps[:, None]).sort(dim=-1, descending=True)
         rank = torch.arange(sorted_logits.shape[-1], device=dev)[None, :]
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else sub.shape[-1] for i in rows], device=dev)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else sub.shape[-1] for p in params], device=dev)
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
-        top_p = torch.tensor([params[i].top_p for i in rows], device=dev, dtype=sub.dtype)
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         sorted_logits = sorted_logits.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], float("-inf"))
-        min_p = torch.tensor([params[i].min_p for i in rows], device=dev, dtype=sub.dtype)
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
         sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        picks = []
-        for j, i in enumerate(rows):
-            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using one generator per row.
-            noise = torch.empty_like(probs[j]).exponential_(generator=generators[i])
-            picks.append((probs[j] / noise).argmax())
-        choice = torch.stack(picks)
-        tokens[rows] = order[torch.arange(len(rows), device=dev), choice]
-        return tokens
+        return sorted_logits.softmax(dim=-1), order
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index drawn from ``probs`` (1-D) with ``generator``: the exponential race argmax(p / E), E ~ Exp(1)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax()

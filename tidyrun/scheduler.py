@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from collections.abc import Callable
+
 from .kv_cache import BlockPool
 from .sequence import Sequence, SequenceStatus
 
@@ -30,8 +32,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 propose: Callable[[Sequence, int], list[int]] | None = None):
+        """``propose(seq, limit)`` returns up to ``limit`` draft tokens for a decoding sequence (speculation)."""
         self.pool = block_pool
+        self.propose = propose
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -76,6 +81,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
+        seq.draft_tokens = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -89,6 +95,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.draft_tokens = self._drafts(seq, budget) if n == 1 and seq.num_tokens - seq.num_computed_tokens == 1 else []
+            if seq.draft_tokens:
+                extra = len(seq.draft_tokens)
+                if self._blocks_needed(seq, n + extra) <= self.pool.num_free:
+                    n += extra
+                else:  # no room to speculate: decode one token rather than preempt someone
+                    seq.draft_tokens = []
             need = self._blocks_needed(seq, n)
             while need > self.pool.num_free and len(self.running) - 1 > i:
                 self._preempt(self.running.pop())
@@ -123,6 +136,15 @@ class Scheduler:
             counts.append(n)
             budget -= n
         return ScheduledBatch(seqs, counts)
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        if self.propose is None or seq.below_min_tokens():
+            return []
+        p = seq.params
+        limit = budget - 1
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
+        return self.propose(seq, limit)
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished sequence out of the running set and free its blocks."""

@@ -48,6 +48,7 @@ class Sequence:
         self.generator = generator
         self.text = ""
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.draft_tokens: list[int] = []  # speculative tokens scheduled for this step (verified, then cleared)
         self._block_hashes: list[int] = []
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
 

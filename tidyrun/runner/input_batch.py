@@ -20,8 +20,8 @@ class InputBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] flat index of the last token of each sampling sequence
-    sampling_seqs: list[Sequence]  # the S sequences whose step ends at their last token
+    logits_indices: torch.Tensor  # flat indices whose logits are needed: 1 per sampling sequence, 1 + drafts if speculating
+    sampling_seqs: list[Sequence]  # the sequences whose step ends at their last (or last draft) token
 
 
 def build_input_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> InputBatch:
@@ -34,15 +34,16 @@ def build_input_batch(batch: ScheduledBatch, block_size: int, device: torch.devi
     sampling_seqs: list[Sequence] = []
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start = seq.num_computed_tokens
-        input_ids.extend(seq.token_ids[start:start + n])
+        drafts = seq.draft_tokens
+        input_ids.extend((seq.token_ids + drafts)[start:start + n] if drafts else seq.token_ids[start:start + n])
         table = seq.block_table
         for pos in range(start, start + n):
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
         query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
-        if start + n == seq.num_tokens:
-            logits_indices.append(query_start[-1] - 1)
+        if start + n == seq.num_tokens + len(drafts):
+            logits_indices.extend(range(query_start[-1] - 1 - len(drafts), query_start[-1]))
             sampling_seqs.append(seq)
 
     num_seqs = len(batch.seqs)

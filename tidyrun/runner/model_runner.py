@@ -36,6 +36,7 @@ from .device import resolve_device, resolve_dtype, synchronize
 from .input_batch import build_input_batch
 from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
 from .weights import WeightArena
+from ..spec_decode import verify_drafts
 
 SLEEP_TAGS = ("weights", "kv_cache")
 
@@ -297,8 +298,12 @@ class ModelRunner:
         return len(loaded)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Run one step; returns (sequence, sampled token) for sequences whose step reached their end."""
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
+        """Run one step; returns (sequence, new tokens) for sequences whose step reached their end.
+
+        One token per sequence, or, for a speculating sequence, its accepted
+        drafts plus one token from the target model.
+        """
         self.check_awake()
         inputs = build_input_batch(batch, self.block_size, self.device)
         with self.ctx.scope(inputs.metadata):
@@ -306,10 +311,22 @@ class ModelRunner:
         if not inputs.sampling_seqs:
             return []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        self._ban_stop_tokens_below_min(logits, inputs.sampling_seqs)
         seqs = inputs.sampling_seqs
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return list(zip(seqs, tokens.tolist()))
+        if not any(s.draft_tokens for s in seqs):
+            self._ban_stop_tokens_below_min(logits, seqs)
+            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return [(s, [t]) for s, t in zip(seqs, tokens.tolist())]
+        out, row = [], 0
+        for seq in seqs:  # drafts are never scheduled below min_tokens, so no stop-token ban is needed here
+            rows = 1 + len(seq.draft_tokens)
+            seq_logits = logits[row:row + rows]
+            if seq.draft_tokens:
+                out.append((seq, verify_drafts(self.sampler, seq_logits, seq.draft_tokens, seq.params, seq.generator)))
+            else:
+                self._ban_stop_tokens_below_min(seq_logits, [seq])
+                out.append((seq, self.sampler(seq_logits, [seq.params], [seq.generator]).tolist()))
+            row += rows
+        return out
 
     @torch.inference_mode()
     def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -32,6 +32,10 @@ class _EngineCollector:
                                 value=stats.get("prefix_cached_tokens", 0))
         yield GaugeMetricFamily("tidyrun_prefill_tokens", "prompt tokens of admitted sequences",
                                 value=stats.get("prefill_tokens", 0))
+        yield GaugeMetricFamily("tidyrun_spec_draft_tokens", "speculative draft tokens proposed",
+                                value=stats.get("spec_draft_tokens", 0))
+        yield GaugeMetricFamily("tidyrun_spec_accepted_tokens", "speculative draft tokens accepted",
+                                value=stats.get("spec_accepted_tokens", 0))
         yield GaugeMetricFamily("tidyrun_sleeping", "1 while the engine sleeps", value=int(stats.get("sleeping", 0)))
         memory = GaugeMetricFamily("tidyrun_device_memory_bytes", "device bytes held, by ledger owner",
                                    labels=["owner"])

@@ -1,0 +1,6 @@
+"""Speculative decoding: n-gram prompt-lookup drafts, verified by the target model in one pass."""
+
+from .ngram import NgramProposer
+from .verify import verify_drafts
+
+__all__ = ("NgramProposer", "verify_drafts")
