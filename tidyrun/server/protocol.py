@@ -18,6 +18,19 @@ from ..sampling import SamplingParams
 MAX_N = 64  # choices per request: bounds the work one HTTP call can queue
 
 
+def split_inputs(value, field: str) -> list[str | list[int]]:
+    """OpenAI's prompt/input union (a string, strings, token ids, lists of token ids) as a list of items."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise InvalidRequestError(f"{field} must not be empty")
+    if all(isinstance(x, int) for x in value):
+        return [list(value)]
+    if all(isinstance(x, str) for x in value) or all(isinstance(x, list) for x in value):
+        return [x if isinstance(x, str) else list(x) for x in value]
+    raise InvalidRequestError(f"{field} must be a string, a list of strings, or (lists of) token ids")
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -79,18 +92,7 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("echo is not supported by tidyrun")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported by tidyrun")
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise InvalidRequestError("prompt must not be empty")
-        if all(isinstance(x, int) for x in p):
-            return [{"prompt_token_ids": list(p)}]
-        if all(isinstance(x, str) for x in p):
-            return list(p)
-        if all(isinstance(x, list) for x in p):
-            return [{"prompt_token_ids": list(x)} for x in p]
-        raise InvalidRequestError("prompt must be a string, a list of strings, or (lists of) token ids")
+        return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in split_inputs(self.prompt, "prompt")]
 
 
 class ContentPart(BaseModel):
@@ -147,13 +149,4 @@ class EmbeddingRequest(BaseModel):
     def inputs(self) -> list[str | list[int]]:
         if self.dimensions is not None:
             raise InvalidRequestError("dimensions is not supported by tidyrun")
-        x = self.input
-        if isinstance(x, str):
-            return [x]
-        if not x:
-            raise InvalidRequestError("input must not be empty")
-        if all(isinstance(t, int) for t in x):
-            return [list(x)]
-        if all(isinstance(t, (str, list)) for t in x):
-            return list(x)
-        raise InvalidRequestError("input must be a string, a list of strings, or (lists of) token ids")
+        return split_inputs(self.input, "input")
