@@ -8,6 +8,7 @@ engines, so several can live in one process.
 from __future__ import annotations
 
 import itertools
+import random
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -104,7 +105,7 @@ class LLM:
         self._pending_outputs: list[RequestOutput] = []
         self._request_counter = itertools.count()
         self._seq_counter = itertools.count()
-        self._seed_generator = self.runner.make_generator(config.seed)
+        self._seed_rng = random.Random(config.seed)  # seeds for requests that bring none
         self._closed = False
 
     def _proposer(self, spec: SpeculativeConfig | None):
@@ -247,8 +248,7 @@ class LLM:
         for i in range(params.n):
             gen = None
             if not params.greedy:
-                seed = (params.seed + i) % 2**63 if params.seed is not None else int(
-                    __import__("torch").randint(0, 2**62, (1,), generator=self._seed_generator, device=self.device))
+                seed = (params.seed + i) % 2**63 if params.seed is not None else self._seed_rng.getrandbits(62)
                 gen = self.runner.make_generator(seed)
             seqs.append(Sequence(next(self._seq_counter), request_id, i, ids, params, self.tokenizer, gen))
         self._requests[request_id] = _Request(request_id, text, ids, seqs)
