@@ -227,3 +227,13 @@ def test_no_module_level_mutable_state():
                     if mutable:
                         offenders.append(f"{os.path.relpath(os.path.join(folder, f), root)}:{node.lineno}")
     assert offenders == []
+
+
+@pytest.mark.parametrize("engine", ["tidyrun", "transformers"])
+def test_audit_cli(tiny_llama_dir, capsys, engine):
+    from tidyrun.cli import main
+
+    assert main(["audit", "--engine", engine, "--model", tiny_llama_dir, "--device", "cpu", "--cycles", "2",
+                 "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" shutdown ") == 2 and "no survivors" in out and "baseline" in out
