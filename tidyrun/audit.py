@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .resources import tensor_nbytes
+
 _MAX_DEPTH = 24
 
 
@@ -38,15 +40,6 @@ def unique_storage_bytes(tensors) -> int:
     for t in tensors:
         seen[t.storage_ptr or id(t)] = t.storage_nbytes
     return sum(seen.values())
-
-
-def _storage_nbytes(t: torch.Tensor) -> int:
-    if t.is_meta:
-        return 0
-    try:
-        return t.untyped_storage().nbytes()
-    except RuntimeError:  # meta / sparse tensors
-        return 0
 
 
 def _children(obj) -> Iterable[tuple[str, object]]:
@@ -107,7 +100,7 @@ def find_device_tensors(obj, device: str | None = None, root_name: str | None = 
                 own = 0 if node.is_meta else node.numel() * node.element_size()
                 ptr = 0 if node.is_meta else node.untyped_storage().data_ptr()
                 found.append(FoundTensor(path, tuple(node.shape), node.dtype, str(node.device), own,
-                                         _storage_nbytes(node), ptr))
+                                         tensor_nbytes(node), ptr))
             continue
         if depth >= _MAX_DEPTH:
             continue
@@ -303,7 +296,7 @@ def survivor(ref: weakref.ref) -> Survivor | None:
     if t is None:
         return None
     desc = f"tensor{tuple(t.shape)} {t.dtype} on {t.device}"
-    nbytes = _storage_nbytes(t)
+    nbytes = tensor_nbytes(t)
     ptr = 0 if t.is_meta else t.untyped_storage().data_ptr()
     del t
     target = ref()

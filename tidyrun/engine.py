@@ -212,12 +212,15 @@ class LLM:
             return None, list(prompt)
         raise InvalidRequestError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _validate_tokens(self, ids: list[int]) -> None:
+    def _check_token_ids(self, ids: list[int], what: str) -> None:
         vocab = self.runner.model_config.vocab_size
         if not ids:
-            raise InvalidRequestError("the prompt is empty (0 tokens)")
+            raise InvalidRequestError(f"the {what} is empty (0 tokens)")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab})")
+            raise InvalidRequestError(f"{what} token ids must be ints in [0, {vocab})")
+
+    def _validate_tokens(self, ids: list[int]) -> None:
+        self._check_token_ids(ids, "prompt")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
@@ -356,10 +359,14 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt rejects the whole call cleanly.
         self.runner.check_awake()
+        tokenized = []
         for p, sp in zip(prompts, params_list):
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
-            self._validate_tokens(self._tokenize(p)[1])
+            text, token_ids = self._tokenize(p)
+            self._validate_tokens(token_ids)
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})  # add_request need not re-tokenize
+        prompts = tokenized
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params_list):
@@ -440,14 +447,10 @@ class LLM:
         token_lists = []
         for t in texts:
             ids = self._tokenize(t)[1]
-            if not ids:
-                raise InvalidRequestError("an input is empty (0 tokens)")
+            self._check_token_ids(ids, "input")
             if len(ids) > self.max_model_len:
                 raise PromptTooLongError(f"an input has {len(ids)} tokens; embed() takes at most "
                                          f"{self.max_model_len} (max_model_len)")
-            vocab = self.runner.model_config.vocab_size
-            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab for x in ids):
-                raise InvalidRequestError(f"token ids must be ints in [0, {vocab})")
             token_lists.append(ids)
         return self.runner.embed(token_lists, pooling, normalize, self.config.max_num_batched_tokens)
 

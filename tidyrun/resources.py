@@ -36,8 +36,13 @@ class LedgerEntry:
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
-    """Bytes of the storage behind ``t`` (a view counts its whole storage); meta tensors hold none."""
-    return 0 if t.is_meta else t.untyped_storage().nbytes()
+    """Bytes of the storage behind ``t`` (a view counts its whole storage); meta and sparse tensors hold none."""
+    if t.is_meta:
+        return 0
+    try:
+        return t.untyped_storage().nbytes()
+    except RuntimeError:  # sparse tensors have no single storage
+        return 0
 
 
 class ResourceLedger:

@@ -250,12 +250,15 @@ class ModelRunner:
                 self._place_weights()
                 self.model.load_weights(self.source.iter_weights())
                 self.last_transfer["reload_s"] = time.perf_counter() - start
-            self.sleeping.discard("weights")
+            self._mark_awake("weights")
         if "kv_cache" in tags and "kv_cache" in self.sleeping:
             self._allocate_kv_cache()
-            self.sleeping.discard("kv_cache")
+            self._mark_awake("kv_cache")
         synchronize(self.device)
         self.last_transfer["wake_s"] = time.perf_counter() - start
+
+    def _mark_awake(self, tag: str) -> None:
+        self.sleeping.discard(tag)
         if not self.sleeping:
             self.sleep_level = None
 
@@ -291,9 +294,7 @@ class ModelRunner:
         except ModelLoadError as exc:
             raise InvalidRequestError(f"update_weights: {exc}") from exc
         if refill:
-            self.sleeping.discard("weights")
-            if not self.sleeping:
-                self.sleep_level = None
+            self._mark_awake("weights")
         synchronize(self.device)
         return len(loaded)
 

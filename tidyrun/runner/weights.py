@@ -53,10 +53,6 @@ class WeightArena:
     def nbytes(self) -> int:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
-    @property
-    def materialized(self) -> bool:
-        return self.flat is not None
-
     def materialize(self) -> None:
         """Allocate the buffer and point every parameter at its slice (contents undefined)."""
         flat = self._ledger.track("weights", "weights.arena",
