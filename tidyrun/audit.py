@@ -295,9 +295,12 @@ def survivor(ref: weakref.ref) -> Survivor | None:
     t = ref()
     if t is None:
         return None
-    desc = f"tensor{tuple(t.shape)} {t.dtype} on {t.device}"
-    nbytes = tensor_nbytes(t)
-    ptr = 0 if t.is_meta else t.untyped_storage().data_ptr()
+    if isinstance(t, torch.Tensor):
+        desc = f"tensor{tuple(t.shape)} {t.dtype} on {t.device}"
+        nbytes = tensor_nbytes(t)
+        ptr = 0 if t.is_meta else t.untyped_storage().data_ptr()
+    else:  # an object holding device memory on the tensors' behalf (a CUDA graph)
+        desc, nbytes, ptr = type(t).__name__, 0, id(t)
     del t
     target = ref()
     chain = referrer_chain(target) if target is not None else "<died>"

@@ -155,9 +155,25 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # GPU execution: "triton" kernels (default on CUDA) or the "torch" reference path (default elsewhere);
+    # decode steps replayed as CUDA graphs of these batch sizes (None: a default set) unless enforce_eager.
+    kernels: str | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         from .errors import InvalidRequestError
+
+        if self.kernels not in (None, "torch", "triton"):
+            raise InvalidRequestError(f"kernels must be 'torch', 'triton' or None, got {self.kernels!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise InvalidRequestError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if (not isinstance(sizes, (list, tuple)) or not sizes
+                    or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)):
+                raise InvalidRequestError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {sizes!r}")
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
 
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

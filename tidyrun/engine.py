@@ -65,7 +65,10 @@ class LLM:
     default to the accelerator in bf16 if there is one, else the CPU in fp32.
     ``keep_host_buffers`` keeps the pinned host copy of the weights between
     level-1 sleeps (allocated once, reused; costs host memory the size of the
-    weights while awake).
+    weights while awake). On CUDA, decode steps run as CUDA graphs captured
+    at start-up for ``cuda_graph_sizes`` (default 1, 2, 4, 8, 16, 32, ... up
+    to min(256, max_num_seqs)); ``enforce_eager=True`` turns them off.
+    ``kernels`` picks "triton" (the CUDA default) or the "torch" reference path.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,
@@ -73,6 +76,7 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0, keep_host_buffers: bool = True,
                  enable_prefix_caching: bool = True, speculative: dict | SpeculativeConfig | None = None,
+                 enforce_eager: bool = False, cuda_graph_sizes: list[int] | None = None, kernels: str | None = None,
                  config: EngineConfig | None = None) -> None:
         self._closed = True  # until construction succeeds; makes shutdown() safe on a failed start
         self.runner: ModelRunner | None = None
@@ -81,7 +85,8 @@ class LLM:
                 model=model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
-                speculative=SpeculativeConfig.from_value(speculative),
+                speculative=SpeculativeConfig.from_value(speculative), enforce_eager=enforce_eager,
+                cuda_graph_sizes=cuda_graph_sizes, kernels=kernels,
                 cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_bytes=kv_cache_memory,
                                   gpu_memory_utilization=gpu_memory_utilization),
             )

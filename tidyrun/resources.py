@@ -23,6 +23,7 @@ class LedgerEntry:
     name: str
     device: str
     ref: weakref.ref
+    fixed_nbytes: int | None = None  # for objects that are not tensors (a CUDA-graph pool): measured at creation
 
     @property
     def alive(self) -> bool:
@@ -32,7 +33,9 @@ class LedgerEntry:
     def nbytes(self) -> int:
         """Bytes the tensor holds now (0 once dead, or while its storage is released for sleep)."""
         t = self.ref()
-        return 0 if t is None else tensor_nbytes(t)
+        if t is None:
+            return 0
+        return self.fixed_nbytes if self.fixed_nbytes is not None else tensor_nbytes(t)
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -55,11 +58,18 @@ class ResourceLedger:
     def __init__(self) -> None:
         self._entries: dict[str, list[LedgerEntry]] = {}
 
-    def track(self, owner: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Record ``tensor`` under ``owner``; returns it so allocation sites stay one line."""
+    def track(self, owner: str, name: str, tensor, nbytes: int | None = None, device: str | None = None):
+        """Record ``tensor`` under ``owner``; returns it so allocation sites stay one line.
+
+        Objects that are not tensors but hold device memory (a CUDA graph and
+        its pool) are tracked the same way, with the bytes measured when they
+        were made (``nbytes``) and their ``device``.
+        """
         entries = self._entries.setdefault(owner, [])
-        entries[:] = [e for e in entries if e.alive]  # re-allocation after sleep replaces dead records
-        entries.append(LedgerEntry(owner, name, str(tensor.device), weakref.ref(tensor)))
+        # Re-allocation after sleep replaces dead records; tracking an object again replaces its record.
+        entries[:] = [e for e in entries if e.alive and e.ref() is not tensor]
+        where = device if device is not None else str(tensor.device)
+        entries.append(LedgerEntry(owner, name, where, weakref.ref(tensor), nbytes))
         return tensor
 
     def forget(self, owner: str) -> list[LedgerEntry]:
@@ -83,13 +93,13 @@ class ResourceLedger:
         seen: set[int] = set()
         for e in self.entries():
             t = e.ref()
-            if t is None or tensor_nbytes(t) == 0:
+            if t is None or e.nbytes == 0:
                 continue
-            key = t.untyped_storage().data_ptr()
+            key = t.untyped_storage().data_ptr() if e.fixed_nbytes is None else ("object", id(t))
             if key in seen:
                 continue
             seen.add(key)
-            out[e.owner] = out.get(e.owner, 0) + tensor_nbytes(t)
+            out[e.owner] = out.get(e.owner, 0) + e.nbytes
         return out
 
     def report(self) -> str:

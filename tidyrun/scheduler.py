@@ -95,7 +95,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            seq.draft_tokens = self._drafts(seq, budget) if n == 1 and seq.num_tokens - seq.num_computed_tokens == 1 else []
+            decoding = n == 1 and seq.num_tokens - seq.num_computed_tokens == 1
+            seq.draft_tokens = self._drafts(seq, budget) if decoding and self.propose is not None else []
             if seq.draft_tokens:
                 extra = len(seq.draft_tokens)
                 if self._blocks_needed(seq, n + extra) <= self.pool.num_free:
@@ -110,7 +111,8 @@ class Scheduler:
                 self._preempt(self.running.pop(i))
                 preempted = True
                 continue
-            seq.block_table.extend(self.pool.allocate(need))
+            if need:
+                seq.block_table.extend(self.pool.allocate(need))
             seqs.append(seq)
             counts.append(n)
             budget -= n

@@ -46,11 +46,42 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator = generator
-        self.text = ""
+        self._text = ""
+        self._decoded = len(self.token_ids)  # tokens already given to the detokenizer (see ``text``)
+        self._text_final = False
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.draft_tokens: list[int] = []  # speculative tokens scheduled for this step (verified, then cleared)
         self._block_hashes: list[int] = []
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+
+    @property
+    def text(self) -> str:
+        """The output text so far.
+
+        Without stop strings nothing needs the text while generating, so
+        tokens are detokenized when someone reads it (a stream, the final
+        output), several at a time: per-token detokenization was the largest
+        host cost of a large decode batch. For byte-level BPE vocabularies
+        decoding tokens together gives the same text as one by one.
+        """
+        if not self._text_final:
+            self._catch_up(len(self.token_ids))
+        return self._text
+
+    def _catch_up(self, end: int) -> str:
+        """Detokenize tokens up to index ``end``; returns the new text."""
+        delta = ""
+        if self._decoded < end:
+            delta = self._detok.push_many(self.token_ids[self._decoded:end])
+            self._decoded = end
+            self._text += delta
+        return delta
+
+    def _final_text(self, end: int) -> None:
+        """Text of the tokens before ``end`` plus whatever the detokenizer still holds back."""
+        self._catch_up(end)
+        self._text += self._detok.flush()
+        self._text_final = True
 
     @property
     def num_tokens(self) -> int:
@@ -89,34 +120,31 @@ class Sequence:
         self.stop_reason = stop_reason
 
     def append_token(self, token_id: int, eos_token_ids: Collection[int], max_model_len: int) -> None:
-        """Add a sampled token, extend the text, and finish the sequence if a stop condition holds."""
+        """Add a sampled token and finish the sequence if a stop condition holds."""
         self.token_ids.append(token_id)
         p = self.params
         allowed_to_stop = self.num_output_tokens >= p.min_tokens
-        if allowed_to_stop and token_id in p.stop_token_ids:
-            self.text += self._detok.flush()
-            self.finish("stop", token_id)
+        if allowed_to_stop and (token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_token_ids)):
+            self._final_text(len(self.token_ids) - 1)  # the stop token is not part of the text
+            self.finish("stop", token_id if token_id in p.stop_token_ids else None)
             return
-        if allowed_to_stop and not p.ignore_eos and token_id in eos_token_ids:
-            self.text += self._detok.flush()
-            self.finish("stop", None)
-            return
-        delta = self._detok.push(token_id)
-        self.text += delta
-        if allowed_to_stop and p.stop and delta and self._check_stop_strings(len(delta)):
-            return
+        if p.stop:  # stop strings need each token's text as it comes
+            delta = self._catch_up(len(self.token_ids))
+            if allowed_to_stop and delta and self._check_stop_strings(len(delta)):
+                return
         if (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) or self.num_tokens >= max_model_len:
-            self.text += self._detok.flush()
+            self._final_text(len(self.token_ids))
             self.finish("length")
 
     def _check_stop_strings(self, delta_len: int) -> bool:
         longest = max(len(s) for s in self.params.stop)
-        search_from = max(0, len(self.text) - delta_len - longest + 1)
-        hits = [(self.text.find(s, search_from), s) for s in self.params.stop]
+        search_from = max(0, len(self._text) - delta_len - longest + 1)
+        hits = [(self._text.find(s, search_from), s) for s in self.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return False
         at, stop = min(hits)
-        self.text = self.text[: at + len(stop) if self.params.include_stop_str_in_output else at]
+        self._text = self._text[: at + len(stop) if self.params.include_stop_str_in_output else at]
+        self._text_final = True
         self.finish("stop", stop)
         return True

@@ -78,6 +78,11 @@ class IncrementalDetokenizer:
         self._ids.append(int(token_id))
         return self._emit(final=False)
 
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        """The text of several tokens at once (one decode instead of one per token)."""
+        self._ids.extend(int(t) for t in token_ids)
+        return self._emit(final=False)
+
     def flush(self) -> str:
         """Text still held back (an incomplete character at the very end)."""
         return self._emit(final=True)

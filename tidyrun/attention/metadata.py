@@ -25,16 +25,59 @@ class AttentionMetadata:
     Device tensors, created per step and dropped when the step's context ends.
     """
 
-    slot_mapping: torch.Tensor | None  # [T] int64; None: KV-free
-    query_start_loc: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor  # [B] int32, context length after this step
-    block_tables: torch.Tensor | None  # [B, max_blocks] int32; None: KV-free
+    slot_mapping: torch.Tensor | None  # [T] int64 (negative: write nothing); None: KV-free
+    query_start_loc: torch.Tensor  # [B+1]
+    seq_lens: torch.Tensor  # [B], context length after this step
+    block_tables: torch.Tensor | None  # [B, max_blocks]; None: KV-free
     max_query_len: int
     max_seq_len: int
-    # Gather maps for the padded reference path: query token (b, i) is flat token q_index[b, i].
-    q_index: torch.Tensor  # [B, max_query_len] int64
-    q_valid: torch.Tensor  # [B, max_query_len] bool
-    q_positions: torch.Tensor  # [B, max_query_len] int64 (absolute positions; 0 for padding)
+    # Gather maps of the padded torch reference path: query token (b, i) is flat token q_index[b, i].
+    q_index: torch.Tensor | None = None  # [B, max_query_len] int64
+    q_valid: torch.Tensor | None = None  # [B, max_query_len] bool
+    q_positions: torch.Tensor | None = None  # [B, max_query_len] int64 (absolute positions; 0 for padding)
+    # Work list of the Triton kernel (see tile_shape / list_tiles).
+    tile_seq: torch.Tensor | None = None  # [tiles]
+    tile_q0: torch.Tensor | None = None  # [tiles]
+    block_q: int = 1
+    block_m: int = 16
+    splits: int = 1  # programs sharing one decode tile's keys (see decode_splits)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_M) of the Triton attention kernel: query tokens per tile, rows per tile.
+
+    A tile holds ``BLOCK_Q`` query tokens times the ``group`` query heads that
+    share a KV head. Decode batches take one token per tile (padded to the 16
+    rows ``tl.dot`` needs); anything longer takes 64-row tiles.
+    """
+    if max_query_len == 1:
+        return 1, max(16, _next_power_of_2(group))
+    block_m = max(64, _next_power_of_2(group))
+    return block_m // group, block_m
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 256) -> int:
+    """How many programs share each decode sequence's keys: enough (a power of two, at most 16)
+    that a small batch still runs about ``target_programs`` programs; 1 for large batches."""
+    splits = 1
+    while splits < 16 and num_seqs * num_kv_heads * splits < target_programs:
+        splits *= 2
+    return splits
+
+
+def list_tiles(query_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
+    """(sequence index, first query token) of every tile of a batch."""
+    seqs: list[int] = []
+    starts: list[int] = []
+    for b, n in enumerate(query_lens):
+        for q0 in range(0, n, block_q):
+            seqs.append(b)
+            starts.append(q0)
+    return seqs, starts
 
 
 class ForwardContext:

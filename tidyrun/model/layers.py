@@ -46,21 +46,18 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in float32 like HF's, optionally adding a residual first.
 
     ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``, so
-    each decoder layer does one add-and-norm instead of two passes.
+    each decoder layer does one add-and-norm instead of two passes. The
+    arithmetic is ``ops.add_rms_norm`` (torch reference or one fused kernel).
     """
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+    def __init__(self, dim: int, eps: float, ops, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
+        self._ops = ops
         self.weight = _param(dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-        residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype), residual
+        return self._ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

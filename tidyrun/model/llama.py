@@ -13,16 +13,18 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention import ForwardContext, causal_attention_dense, paged_attention_reference, store_kv
+from ..attention import ForwardContext, causal_attention_dense
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..kv_cache import KVCache
-from .layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope
+from .layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from .ops import TorchOps
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, dtype):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, ops: TorchOps, dtype):
         super().__init__()
+        self._ops = ops
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
@@ -31,55 +33,51 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype)
         self._ctx = ctx
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, kv_cache: KVCache | None) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         meta = self._ctx.metadata
-        if meta.block_tables is None:  # KV-free (pooling): complete sequences, nothing cached
+        kv = None if meta.block_tables is None else kv_cache.layer(self.layer_idx)
+        q, k, v = self._ops.rope_and_store(self.qkv_proj(x), rope, (self.num_heads, self.num_kv_heads, self.head_dim),
+                                           kv, meta)
+        if kv is None:  # KV-free (pooling): complete sequences, nothing cached
             out = causal_attention_dense(q, k, v, meta, self.scale)
         else:
-            k_cache, v_cache = kv_cache.layer(self.layer_idx)
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
+            out = self._ops.attention(q, kv, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps, dtype):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
+        self._ops = ops
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self._ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, dtype):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, ops: TorchOps, dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_idx, ctx, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ctx, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.mlp = LlamaMLP(cfg, ops, dtype)
 
-    def forward(self, x, residual, cos, sin, kv_cache):
+    def forward(self, x, residual, rope, kv_cache):
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache)
+        h = self.self_attn(h, rope, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, dtype):
+    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, ops: TorchOps, dtype):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, ops, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
 
@@ -88,22 +86,25 @@ class LlamaForCausalLM(nn.Module):
 
     Built on the meta device (no memory). Its device memory, the parameters
     and the RoPE table, is placed by the runner (WeightArena, RotaryEmbedding.build)
-    and registered with the runner's ledger there.
+    and registered with the runner's ledger there. ``ops`` picks the torch
+    reference or the Triton kernels for norms, activation, RoPE and attention.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, dtype: torch.dtype,
+                 ops: TorchOps | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions, ctx, dtype)
+        self.ops = ops or TorchOps()
+        self.model = LlamaModel(cfg, max_positions, ctx, self.ops, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         """Final hidden states [T, hidden] for flat token ids [T] at ``positions``."""
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(positions, h.dtype)
+        rope = self.ops.rope_tables(self.model.rotary, positions, h.dtype)
         residual = None
         for layer in self.model.layers:
-            h, residual = layer(h, residual, cos, sin, kv_cache)
+            h, residual = layer(h, residual, rope, kv_cache)
         h, _ = self.model.norm(h, residual)
         return h
 

@@ -1,16 +1,26 @@
 """Flattened model inputs and attention metadata for one scheduled batch.
 
-Built on the host from the sequences' token lists and block tables, then
-copied to the device in one transfer per tensor.
+Two builders share one host-side pass over the sequences:
+
+- ``build_reference_batch`` makes the padded gather maps of the torch
+  reference attention (CPU), one small tensor each;
+- ``StepInputs`` (CUDA, Triton kernels) packs every integer input of a step
+  into one pinned host buffer and sends it in a single copy into one device
+  buffer whose slices are the step's tensors. A decode batch that a CUDA
+  graph will replay is written at the fixed offsets that graph captured,
+  padded to its size (padding rows: slot -1, context length 0).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..attention import AttentionMetadata
+from ..attention.metadata import decode_splits, list_tiles, tile_shape
+from ..resources import ResourceLedger
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 
@@ -22,57 +32,145 @@ class InputBatch:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # flat indices whose logits are needed: 1 per sampling sequence, 1 + drafts if speculating
     sampling_seqs: list[Sequence]  # the sequences whose step ends at their last (or last draft) token
+    graph_size: int | None = None  # set when the CUDA graph of this batch size is to replay the step
 
 
-def build_input_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> InputBatch:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    sampling_seqs: list[Sequence] = []
+@dataclass
+class _HostBatch:
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start: list[int]
+    seq_lens: list[int]
+    logits_indices: list[int]
+    sampling_seqs: list[Sequence]
+    query_lens: list[int]
+    tables: list[list[int]]
+
+
+def _host_batch(batch: ScheduledBatch, block_size: int) -> _HostBatch:
+    h = _HostBatch([], [], [], [0], [], [], [], list(batch.num_new_tokens), [s.block_table for s in batch.seqs])
+    end = 0
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start = seq.num_computed_tokens
         drafts = seq.draft_tokens
-        input_ids.extend((seq.token_ids + drafts)[start:start + n] if drafts else seq.token_ids[start:start + n])
         table = seq.block_table
-        for pos in range(start, start + n):
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        query_start.append(query_start[-1] + n)
-        seq_lens.append(start + n)
+        end += n
+        if n == 1 and not drafts:  # the decode case, kept cheap: it runs once per sequence per step
+            h.input_ids.append(seq.token_ids[start])
+            h.positions.append(start)
+            h.slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            h.input_ids.extend((seq.token_ids + drafts)[start:start + n] if drafts else seq.token_ids[start:start + n])
+            h.positions.extend(range(start, start + n))
+            h.slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, start + n))
+        h.query_start.append(end)
+        h.seq_lens.append(start + n)
         if start + n == seq.num_tokens + len(drafts):
-            logits_indices.extend(range(query_start[-1] - 1 - len(drafts), query_start[-1]))
-            sampling_seqs.append(seq)
+            h.logits_indices.extend(range(end - 1 - len(drafts), end))
+            h.sampling_seqs.append(seq)
+    return h
 
+
+def build_reference_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> InputBatch:
+    """Inputs for the torch reference attention: flat tensors plus padded gather maps."""
+    h = _host_batch(batch, block_size)
     num_seqs = len(batch.seqs)
-    max_q = max(batch.num_new_tokens)
-    max_blocks = max(len(s.block_table) for s in batch.seqs)
-    block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    max_q = max(h.query_lens)
+    block_tables = torch.zeros(num_seqs, max(len(t) for t in h.tables), dtype=torch.int32)
     q_index = torch.zeros(num_seqs, max_q, dtype=torch.int64)
     q_valid = torch.zeros(num_seqs, max_q, dtype=torch.bool)
     q_positions = torch.zeros(num_seqs, max_q, dtype=torch.int64)
-    for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-        block_tables[b, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        q_index[b, :n] = torch.arange(query_start[b], query_start[b] + n)
+    for b, (table, n, total) in enumerate(zip(h.tables, h.query_lens, h.seq_lens)):
+        block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        q_index[b, :n] = torch.arange(h.query_start[b], h.query_start[b] + n)
         q_valid[b, :n] = True
-        q_positions[b, :n] = torch.arange(seq.num_computed_tokens, seq.num_computed_tokens + n)
+        q_positions[b, :n] = torch.arange(total - n, total)
 
     def dev(x, dtype=None) -> torch.Tensor:
         t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
         return t.to(device, non_blocking=True)
 
     meta = AttentionMetadata(
-        slot_mapping=dev(slots, torch.int64),
-        query_start_loc=dev(query_start, torch.int32),
-        seq_lens=dev(seq_lens, torch.int32),
-        block_tables=dev(block_tables),
-        max_query_len=max_q,
-        max_seq_len=max(seq_lens),
-        q_index=dev(q_index),
-        q_valid=dev(q_valid),
-        q_positions=dev(q_positions),
+        slot_mapping=dev(h.slots, torch.int64), query_start_loc=dev(h.query_start, torch.int32),
+        seq_lens=dev(h.seq_lens, torch.int32), block_tables=dev(block_tables), max_query_len=max_q,
+        max_seq_len=max(h.seq_lens), q_index=dev(q_index), q_valid=dev(q_valid), q_positions=dev(q_positions),
     )
-    return InputBatch(dev(input_ids, torch.int64), dev(positions, torch.int64), meta,
-                      dev(logits_indices, torch.int64), sampling_seqs)
+    return InputBatch(dev(h.input_ids, torch.int64), dev(h.positions, torch.int64), meta,
+                      dev(h.logits_indices, torch.int64), h.sampling_seqs)
+
+
+class StepInputs:
+    """The staging buffers every Triton-path step's integer inputs travel through, in one copy.
+
+    Owns device memory: one int64 buffer (ledger owner ``inputs``), and a
+    pinned host buffer of the same size. CUDA graphs capture views of the
+    device buffer at ``decode_offsets``, so it must outlive them (it is
+    acquired before them and released after them).
+    """
+
+    def __init__(self, block_size: int, group: int, num_kv_heads: int, max_tokens: int, max_seqs: int,
+                 max_blocks: int, device: torch.device, ledger: ResourceLedger) -> None:
+        self.block_size, self.group, self.max_blocks = block_size, group, max_blocks
+        self.num_kv_heads = num_kv_heads
+        self.device = device
+        # Eager layout: 4 token arrays (ids, positions, slots, logits indices), query starts, lengths,
+        # 2 tile arrays (at most one tile per token), block tables. Graph layouts are smaller.
+        capacity = 6 * max_tokens + 2 * max_seqs + 1 + max_seqs * max_blocks
+        self.device_buf = ledger.track("inputs", "inputs.device", torch.zeros(capacity, dtype=torch.int64, device=device))
+        self.host_buf = ledger.track("inputs", "inputs.host",
+                                     torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda"))
+        self._host = self.host_buf.numpy()
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def decode_views(self, size: int) -> dict[str, torch.Tensor]:
+        """Views of the device buffer that the CUDA graph of ``size`` decode rows reads."""
+        n, w = size, self.max_blocks
+        buf = self.device_buf
+        return dict(input_ids=buf[:n], positions=buf[n:2 * n], slot_mapping=buf[2 * n:3 * n],
+                    seq_lens=buf[3 * n:4 * n], block_tables=buf[4 * n:4 * n + n * w].view(n, w))
+
+    def _write(self, chunks: list[tuple[int, list[int]]], tables: tuple[int, int, list[list[int]]]) -> None:
+        """Fill the staging buffer and send it in one copy. ``tables``: (offset, row width, rows);
+        each row is written from its start, entries past a row's length are never read."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy must have left the staging buffer
+        host = self._host
+        for offset, values in chunks:
+            host[offset:offset + len(values)] = values
+        offset, width, rows = tables
+        for b, row in enumerate(rows):
+            start = offset + b * width
+            host[start:start + len(row)] = row
+        end = max([offset + width * len(rows)] + [o + len(v) for o, v in chunks])
+        self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def build(self, batch: ScheduledBatch, graph_size: int | None = None) -> InputBatch:
+        h = _host_batch(batch, self.block_size)
+        if graph_size is not None:
+            return self._build_decode(h, graph_size)
+        seqs = len(h.seq_lens)
+        block_q, block_m = tile_shape(self.group, max(h.query_lens))
+        tile_seq, tile_q0 = list_tiles(h.query_lens, block_q)
+        width = max(len(t) for t in h.tables)
+        arrays = [h.input_ids, h.positions, h.slots, h.logits_indices, h.query_start, h.seq_lens, tile_seq, tile_q0]
+        offsets = np.cumsum([0] + [len(a) for a in arrays] + [seqs * width]).tolist()
+        self._write(list(zip(offsets, arrays)), (offsets[8], width, h.tables))
+        v = [self.device_buf[offsets[i]:offsets[i + 1]] for i in range(9)]
+        meta = AttentionMetadata(slot_mapping=v[2], query_start_loc=v[4], seq_lens=v[5],
+                                 block_tables=v[8].view(seqs, width), max_query_len=max(h.query_lens),
+                                 max_seq_len=max(h.seq_lens), tile_seq=v[6], tile_q0=v[7],
+                                 block_q=block_q, block_m=block_m,
+                                 splits=decode_splits(seqs, self.num_kv_heads) if block_q == 1 else 1)
+        return InputBatch(v[0], v[1], meta, v[3], h.sampling_seqs)
+
+    def _build_decode(self, h: _HostBatch, size: int) -> InputBatch:
+        pad = size - len(h.input_ids)
+        self._write([(0, h.input_ids + [0] * pad), (size, h.positions + [0] * pad), (2 * size, h.slots + [-1] * pad),
+                     (3 * size, h.seq_lens + [0] * pad)], (4 * size, self.max_blocks, h.tables))
+        views = self.decode_views(size)
+        meta = AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=None, seq_lens=views["seq_lens"],
+                                 block_tables=views["block_tables"], max_query_len=1, max_seq_len=max(h.seq_lens))
+        return InputBatch(views["input_ids"], views["positions"], meta, None, h.sampling_seqs, graph_size=size)

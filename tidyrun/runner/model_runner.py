@@ -1,13 +1,16 @@
 """ModelRunner: builds the model and KV cache on a device and runs scheduled batches.
 
 Owns device memory: model weights (``weights``, one WeightArena buffer), the
-RoPE table (``rope``, a buffer of the model) and the KV cache (``kv_cache``),
-each registered with ``self.ledger`` where it is allocated; and, after a
-level-1 sleep, the pinned host copy of the weights (``host_weights``).
-``shutdown`` releases them in reverse order of acquisition and then proves,
-through the ledger's weak references, that none survived. ``sleep`` and
-``wake_up`` release and restore the same components without rebuilding the
-model.
+RoPE table (``rope``, a buffer of the model), the KV cache (``kv_cache``) and,
+on the Triton path, the step-input buffers (``inputs``) and the CUDA graphs
+with their memory pool (``cuda_graphs``), each registered with
+``self.ledger`` where it is allocated; and, after a level-1 sleep, the pinned
+host copy of the weights (``host_weights``). ``shutdown`` releases them in
+reverse order of acquisition (graphs before the buffers they read, those
+before the KV cache and weights) and then proves, through the ledger's weak
+references, that none survived. ``sleep`` and ``wake_up`` release and
+restore the same components without rebuilding the model; graphs bake in
+buffer addresses, so they are captured again on every wake.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestEr
 from ..kv_cache import KVCache, bytes_per_block
 from ..loader import ModelSource
 from ..model.llama import LlamaForCausalLM
+from ..model.ops import TorchOps, TritonOps
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
 from ..sampling import Sampler
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 from .device import resolve_device, resolve_dtype, synchronize
-from .input_batch import build_input_batch
+from .cuda_graphs import CudaGraphManager, default_capture_sizes
+from .input_batch import InputBatch, StepInputs, build_reference_batch
 from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
 from .weights import WeightArena
 from ..spec_decode import verify_drafts
@@ -100,6 +105,11 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.ctx = ForwardContext()
+        self.config = config
+        self.ops = self._choose_ops(config)
+        self.inputs: StepInputs | None = None
+        self.graphs: CudaGraphManager | None = None
+        self._graphs_warm = False
         self.shutdown_report: ShutdownReport | None = None
         self.startup_seconds: dict[str, float] = {}
         try:
@@ -109,16 +119,55 @@ class ModelRunner:
             self.num_kv_blocks = self._num_kv_blocks(config)
             self._allocate_kv_cache()
             synchronize(self.device)
-            self.startup_seconds = {"weights": t1 - t0, "kv_cache": time.perf_counter() - t1}
-            logger.info("model runner ready on %s: weights %.2f s, KV cache of %d blocks %.2f s",
-                        self.device, self.startup_seconds["weights"], self.num_kv_blocks,
-                        self.startup_seconds["kv_cache"])
+            t2 = time.perf_counter()
+            self._build_step_state()
+            self.startup_seconds = {"weights": t1 - t0, "kv_cache": t2 - t1,
+                                    "cuda_graphs": self.graphs.capture_seconds if self.graphs else 0.0}
+            logger.info("model runner ready on %s (%s kernels): weights %.2f s, KV cache of %d blocks %.2f s, "
+                        "%s", self.device, self.ops.name, self.startup_seconds["weights"], self.num_kv_blocks,
+                        self.startup_seconds["kv_cache"], self._graph_summary())
         except BaseException as exc:
             # Give back what was taken before re-raising: the half-built model must not stay
             # alive through the frames of the traceback the caller is about to hold.
             drop_traceback_locals(exc)
             self.shutdown()
             raise
+
+    def _choose_ops(self, config: EngineConfig) -> TorchOps:
+        kernels = config.kernels or ("triton" if self.device.type == "cuda" else "torch")
+        if kernels == "triton" and self.device.type != "cuda":
+            raise InvalidRequestError("kernels='triton' needs a CUDA device; the CPU runs kernels='torch'")
+        return TritonOps() if kernels == "triton" else TorchOps()
+
+    def _graph_summary(self) -> str:
+        if self.graphs is None:
+            return "no CUDA graphs"
+        return (f"{len(self.graphs.sizes)} CUDA graphs (batch {self.graphs.sizes[0]}..{self.graphs.sizes[-1]}) "
+                f"captured in {self.graphs.capture_seconds:.2f} s, pool {self.graphs.pool_bytes / 2**20:.0f} MiB")
+
+    def _build_step_state(self) -> None:
+        """Step-input buffers and CUDA graphs (Triton path only); they need the weights and KV cache in place."""
+        if not isinstance(self.ops, TritonOps):
+            return
+        mc, cfg = self.model_config, self.config
+        self.inputs = StepInputs(self.block_size, mc.num_heads // mc.num_kv_heads, mc.num_kv_heads,
+                                 cfg.max_num_batched_tokens,
+                                 cfg.max_num_seqs, -(-self.max_model_len // self.block_size), self.device, self.ledger)
+        if cfg.enforce_eager or self.device.type != "cuda":
+            return
+        sizes = cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs)
+        self.graphs = CudaGraphManager(tuple(n for n in sizes if n <= cfg.max_num_seqs) or (1,), self.inputs,
+                                       mc.num_heads // mc.num_kv_heads, self.device, self.ledger)
+        # Kernels are compiled once per process; a recapture after a wake skips the warm-up runs.
+        self.graphs.capture(self.model, self.kv_cache, self.ctx, warm_up=not self._graphs_warm)
+        self._graphs_warm = True
+
+    def _drop_step_state(self) -> None:
+        """Graphs first (they read the input buffer and bake in weight/KV addresses), then the buffers."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
+        self.inputs = None
 
     def _resolve_max_model_len(self, config: EngineConfig) -> int:
         limit = self.model_config.max_position_embeddings
@@ -131,7 +180,7 @@ class ModelRunner:
         return config.max_model_len
 
     def _load_model(self, source: ModelSource) -> None:
-        self.model = LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.dtype)
+        self.model = LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.dtype, self.ops)
         self.arena = WeightArena(self.model, self.device, self.dtype, self.ledger, self.keep_host_buffers)
         self._place_weights()
         self.model.load_weights(source.iter_weights())
@@ -215,6 +264,7 @@ class ModelRunner:
         synchronize(self.device)
         before = self.ledger.bytes_by_owner()
         start = time.perf_counter()
+        self._drop_step_state()
         if level == 1:
             self.arena.offload()
         else:
@@ -256,11 +306,13 @@ class ModelRunner:
             self._mark_awake("kv_cache")
         synchronize(self.device)
         self.last_transfer["wake_s"] = time.perf_counter() - start
+        self.last_transfer["graph_capture_s"] = self.graphs.capture_seconds if self.graphs else 0.0
 
     def _mark_awake(self, tag: str) -> None:
         self.sleeping.discard(tag)
         if not self.sleeping:
             self.sleep_level = None
+            self._build_step_state()
 
     def update_weights(self, weights) -> int:
         """Copy HF-named tensors into the weights in place; returns how many were loaded.
@@ -298,6 +350,19 @@ class ModelRunner:
         synchronize(self.device)
         return len(loaded)
 
+    def _build_inputs(self, batch: ScheduledBatch, graphs: bool = True) -> InputBatch:
+        if self.inputs is None:
+            return build_reference_batch(batch, self.block_size, self.device)
+        # A graph step is one sampled token per sequence: no prompt chunk, no drafts.
+        decode = all(n == 1 and not s.draft_tokens and s.num_computed_tokens + 1 == s.num_tokens
+                     for s, n in zip(batch.seqs, batch.num_new_tokens))
+        size = self.graphs.size_for(len(batch)) if graphs and decode and self.graphs is not None else None
+        return self.inputs.build(batch, size)
+
+    def _forward(self, inputs: InputBatch) -> torch.Tensor:
+        with self.ctx.scope(inputs.metadata):
+            return self.model(inputs.input_ids, inputs.positions, self.kv_cache)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns (sequence, new tokens) for sequences whose step reached their end.
@@ -306,12 +371,14 @@ class ModelRunner:
         drafts plus one token from the target model.
         """
         self.check_awake()
-        inputs = build_input_batch(batch, self.block_size, self.device)
-        with self.ctx.scope(inputs.metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache)
+        inputs = self._build_inputs(batch)
+        if inputs.graph_size is not None:
+            hidden = self.graphs.replay(inputs.graph_size)[:len(batch)]  # decode: one row per sequence
+        else:
+            hidden = self._forward(inputs)[inputs.logits_indices]
         if not inputs.sampling_seqs:
             return []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden)
         seqs = inputs.sampling_seqs
         if not any(s.draft_tokens for s in seqs):
             self._ban_stop_tokens_below_min(logits, seqs)
@@ -333,10 +400,7 @@ class ModelRunner:
     def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Float32 logits [T, vocab] of every token of a single-sequence batch (scoring, tests)."""
         self.check_awake()
-        inputs = build_input_batch(batch, self.block_size, self.device)
-        with self.ctx.scope(inputs.metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(self._forward(self._build_inputs(batch, graphs=False)))
 
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]], pooling: str, normalized: bool, max_batch_tokens: int) -> torch.Tensor:
@@ -368,7 +432,13 @@ class ModelRunner:
 
     def _release(self, owner: str) -> None:
         """Drop the runner's reference to the component that owns ``owner``'s tensors."""
-        if owner == "kv_cache":
+        if owner == "cuda_graphs":
+            if self.graphs is not None:
+                self.graphs.release()
+            self.graphs = None
+        elif owner == "inputs":
+            self.inputs = None
+        elif owner == "kv_cache":
             self.kv_cache = None
         elif owner == "host_weights":
             if self.arena is not None:

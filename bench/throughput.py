@@ -1,0 +1,253 @@
+"""Offline throughput against transformers, and decode step time against the memory-bandwidth floor.
+
+    python bench/throughput.py [--modes graphs eager] [--hf-batch-size 64] [--hf-requests 256]
+                               [--batch-sizes 1 16 64 256] [--json bench/results/throughput.json]
+
+(a) One ``llm.generate`` over 256 requests (random token-id prompts of 100-1024
+tokens, 100-1024 greedy output tokens each, ``ignore_eos``; ``random.Random(0)``),
+output tokens / wall seconds. transformers runs the same requests on the same
+checkpoint in request order, in left-padded batches of ``--hf-batch-size``, each
+batch generating its longest output; only each request's own output tokens count.
+(b) ``llm.step()`` time with B requests decoding (prompt ``--decode-prompt-len``),
+median of ``--decode-steps`` steps, against the floor (weight bytes + KV bytes read
+per step) / ``--peak-bw``. Each engine runs alone on the device: tidyrun engines
+are shut down before the next starts, transformers runs last.
+
+The random-weight checkpoint (tidyrun.synthetic) is written to
+/tmp/tidyrun-bench/<shape> if missing. CPU smoke test:
+
+    python bench/throughput.py --device cpu --dtype float32 --shape llama-tiny --num-requests 4 \
+        --prompt-len-range 10 30 --output-len-range 5 10 --batch-sizes 1 2 --decode-prompt-len 16 \
+        --decode-steps 5 --hf-batch-size 2 --json /tmp/tp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+Workload = tuple[list[list[int]], list[int]]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def make_workload(n: int, prompt_range: list[int], output_range: list[int], vocab: int, seed: int) -> Workload:
+    """``n`` random token-id prompts and output lengths, both uniform in their inclusive ranges."""
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        outs.append(rng.randint(*output_range))
+        prompts.append([rng.randrange(10, vocab - 10) for _ in range(plen)])
+    return prompts, outs
+
+
+def make_llm(ckpt: str, args: argparse.Namespace, mode: str, **kwargs):
+    from tidyrun import LLM
+
+    if mode == "eager":
+        kwargs["enforce_eager"] = True
+    return LLM(ckpt, device=args.device, dtype=args.dtype, **kwargs)
+
+
+def tidyrun_throughput(ckpt: str, args: argparse.Namespace, mode: str, work: Workload, warm: Workload) -> dict:
+    from tidyrun import SamplingParams
+
+    llm = make_llm(ckpt, args, mode)
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in warm[0]],
+                     SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work[1]]
+        sync(args.device)
+        t0 = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in work[0]], params, use_tqdm=False)
+        sync(args.device)
+        wall = time.perf_counter() - t0
+        preemptions = llm.stats()["preemptions"]
+    finally:
+        llm.shutdown()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return dict(engine=f"tidyrun ({mode})", requests=len(work[0]), output_tokens=tokens,
+                expected_tokens=sum(work[1]), computed_tokens=tokens, wall_s=wall, tok_s=tokens / wall,
+                preemptions=preemptions)
+
+
+def hf_throughput(ckpt: str, args: argparse.Namespace, work: Workload, warm: Workload) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype),
+                                                 attn_implementation="sdpa").to(args.device).eval()
+
+    def run(prompts: list[list[int]], outs: list[int]) -> int:
+        """Generate one left-padded batch; returns the tokens computed (batch x longest output)."""
+        width, new = max(map(len, prompts)), max(outs)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
+                                 do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
+                                 pad_token_id=0)
+        assert out.shape[1] - width == new, f"transformers stopped after {out.shape[1] - width} of {new} tokens"
+        return len(prompts) * new
+
+    bs = args.hf_batch_size
+    run(warm[0][:bs], [16] * len(warm[0][:bs]))
+    prompts, outs = work[0][:args.hf_requests], work[1][:args.hf_requests]
+    sync(args.device)
+    t0 = time.perf_counter()
+    computed = sum(run(prompts[i:i + bs], outs[i:i + bs]) for i in range(0, len(prompts), bs))
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    del model
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return dict(engine=f"transformers (sdpa, batch {bs})", requests=len(prompts), output_tokens=sum(outs),
+                expected_tokens=sum(outs), computed_tokens=computed, wall_s=wall, tok_s=sum(outs) / wall,
+                preemptions=0)
+
+
+def decode_steps(ckpt: str, args: argparse.Namespace, mode: str) -> list[dict]:
+    """Median ``llm.step()`` time with B requests all decoding, for each B in ``--batch-sizes``."""
+    from tidyrun import SamplingParams
+
+    llm = make_llm(ckpt, args, mode, max_num_seqs=max(256, *args.batch_sizes))
+    rows = []
+    try:
+        mc, weight_bytes = llm.runner.model_config, llm.runner.arena.nbytes
+        elem = torch.empty((), dtype=llm.dtype).element_size()
+        plen, k = args.decode_prompt_len, args.decode_steps
+        max_tokens = min(10000, llm.max_model_len - plen - 1)
+        assert max_tokens > k + 16, f"--decode-prompt-len {plen} leaves too few tokens to decode"
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        rng = random.Random(2)
+        for b in args.batch_sizes:
+            rids = [llm.add_request({"prompt_token_ids": [rng.randrange(10, mc.vocab_size - 10) for _ in range(plen)]},
+                                    params) for _ in range(b)]
+            while not all(llm.request_output(r).outputs[0].token_ids for r in rids):  # every prefill done
+                llm.step()
+            for _ in range(3):
+                llm.step()
+            start = [llm.request_output(r) for r in rids]
+            ctx = statistics.fmean(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in start) + (k - 1) / 2
+            preempt0 = llm.stats()["preemptions"]
+            times = []
+            sync(args.device)
+            for _ in range(k):
+                t0 = time.perf_counter()
+                llm.step()
+                sync(args.device)
+                times.append(time.perf_counter() - t0)
+            stats = llm.stats()
+            assert stats["running"] == b and stats["preemptions"] == preempt0, "not every request decoded every step"
+            for r in rids:
+                llm.abort_request(r)
+            while llm.has_unfinished_requests():
+                llm.step()
+            kv_bytes = b * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem
+            step = statistics.median(times)
+            floor = (weight_bytes + kv_bytes) / args.peak_bw
+            rows.append(dict(mode=mode, batch=b, median_step_ms=step * 1e3, mean_step_ms=statistics.fmean(times) * 1e3,
+                             tok_s=b / step, mean_context=ctx, weight_bytes=weight_bytes, kv_bytes_per_step=kv_bytes,
+                             floor_ms=floor * 1e3, floor_fraction=floor / step, steps_ms=[t * 1e3 for t in times]))
+    finally:
+        llm.shutdown()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-1.2b")
+    ap.add_argument("--ckpt", default=None, help="existing checkpoint folder (default: /tmp/tidyrun-bench/<shape>)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager"], default=["graphs"],
+                    help="graphs: the engine's default; eager: enforce_eager=True")
+    ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--prompt-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--hf-requests", type=int, default=None, help="run transformers on the first N requests only")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--decode-prompt-len", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=50)
+    ap.add_argument("--peak-bw", type=float, default=4.3e12, help="memory bandwidth of the floor, bytes/s")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--json", default="bench/results/throughput.json")
+    args = ap.parse_args()
+    if args.enforce_eager:
+        args.modes = ["eager"]
+    args.hf_requests = min(args.hf_requests or args.num_requests, args.num_requests)
+    from tidyrun.synthetic import write_random_checkpoint
+
+    ckpt = args.ckpt or os.path.join("/tmp/tidyrun-bench", args.shape)
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        t0 = time.perf_counter()
+        write_random_checkpoint(ckpt, args.shape, dtype=torch.bfloat16, device="cuda" if args.device.startswith("cuda")
+                                else "cpu")
+        print(f"wrote random {args.shape} checkpoint to {ckpt} in {time.perf_counter() - t0:.1f} s")
+    with open(os.path.join(ckpt, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    work = make_workload(args.num_requests, args.prompt_len_range, args.output_len_range, vocab, seed=0)
+    warm = make_workload(min(8, args.num_requests), args.prompt_len_range, args.output_len_range, vocab, seed=1)
+
+    throughput, decode = [], []
+    if not args.skip_throughput:
+        throughput += [tidyrun_throughput(ckpt, args, mode, work, warm) for mode in args.modes]
+    if not args.skip_decode:
+        decode += [row for mode in args.modes for row in decode_steps(ckpt, args, mode)]
+    if not args.skip_throughput and not args.skip_hf:
+        throughput.append(hf_throughput(ckpt, args, work, warm))
+
+    import transformers
+
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    print(f"\nshape {args.shape} ({args.dtype}), {device}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")
+    hf = next((r for r in throughput if r["engine"].startswith("transformers")), None)
+    if throughput:
+        print(f"\n(a) {args.num_requests} requests, prompt {args.prompt_len_range[0]}-{args.prompt_len_range[1]}, "
+              f"output {args.output_len_range[0]}-{args.output_len_range[1]} tokens")
+        print("| engine | requests | output tokens | computed tokens | wall s | tok/s | vs transformers |")
+        print("|---|---|---|---|---|---|---|")
+        for r in throughput:
+            r["vs_transformers"] = r["tok_s"] / hf["tok_s"] if hf else None
+            ratio = f"{r['vs_transformers']:.1f}x" if hf else "-"
+            print(f"| {r['engine']} | {r['requests']} | {r['output_tokens']} | {r['computed_tokens']} "
+                  f"| {r['wall_s']:.2f} | {r['tok_s']:.0f} | {ratio} |")
+    if decode:
+        print(f"\n(b) decode step, prompt {args.decode_prompt_len}, median of {args.decode_steps} steps, "
+              f"floor at {args.peak_bw / 1e12:.2f} TB/s")
+        print("| mode | batch | median step ms | mean step ms | tok/s | mean context | weights GB | KV GB/step "
+              "| floor ms | floor / measured |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in decode:
+            print(f"| {r['mode']} | {r['batch']} | {r['median_step_ms']:.2f} | {r['mean_step_ms']:.2f} "
+                  f"| {r['tok_s']:.0f} | {r['mean_context']:.0f} | {r['weight_bytes'] / 1e9:.2f} "
+                  f"| {r['kv_bytes_per_step'] / 1e9:.3f} | {r['floor_ms']:.2f} | {r['floor_fraction']:.0%} |")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(shape=args.shape, dtype=args.dtype, device=device, torch=torch.__version__,
+                       transformers=transformers.__version__, args=vars(args), throughput=throughput, decode=decode),
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Triton kernels against plain-torch references over random shapes.
+
+Used by tests/test_gpu_kernels.py on CUDA (bf16 and fp32) and by
+tests/test_triton_interpret.py on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1, fp32, fewer shapes). Each check raises AssertionError
+with the shape that failed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+from tidyrun.attention.metadata import list_tiles, tile_shape
+from tidyrun.model.layers import apply_rope
+
+
+def reference_attention(q, k_cache, v_cache, q_lens, seq_lens, tables, scale):
+    """Per-sequence dense causal GQA attention over keys gathered from the pages."""
+    out, start = [], 0
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    for n, total, table in zip(q_lens, seq_lens, tables):
+        keys = k_cache[table].flatten(0, 1)[:total].float().repeat_interleave(heads // kv_heads, dim=1)
+        vals = v_cache[table].flatten(0, 1)[:total].float().repeat_interleave(heads // kv_heads, dim=1)
+        qs = q[start:start + n].float()
+        scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
+        pos = torch.arange(total - n, total)[:, None]
+        scores = scores.masked_fill(torch.arange(total)[None, :] > pos, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals))
+        start += n
+    return torch.cat(out)
+
+
+def check_attention(device, dtype, cases, seed=0, atol=2e-2, splits=(1, 4)):
+    rng = random.Random(seed)
+    for heads, kv_heads, head_dim, block_size, q_lens, ctx_lens in cases:
+        seq_lens = [c + n for n, c in zip(q_lens, ctx_lens)]
+        blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 3
+        perm = list(range(num_blocks))
+        rng.shuffle(perm)
+        tables, i = [], 0
+        for nb in blocks_per_seq:
+            tables.append(perm[i:i + nb])
+            i += nb
+        g = torch.Generator().manual_seed(seed)
+        # Unwritten slots hold NaN/inf/huge values: the kernel must not let them through.
+        k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+        v_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("inf"))
+        for table, total in zip(tables, seq_lens):
+            flat = torch.tensor(table)[:, None] * block_size + torch.arange(block_size)
+            flat = flat.flatten()[:total]
+            k_cache.view(-1, kv_heads, head_dim)[flat] = torch.randn(total, kv_heads, head_dim, generator=g)
+            v_cache.view(-1, kv_heads, head_dim)[flat] = torch.randn(total, kv_heads, head_dim, generator=g)
+        q = torch.randn(sum(q_lens), heads, head_dim, generator=g)
+        scale = head_dim ** -0.5
+        expected = reference_attention(q, k_cache, v_cache, q_lens, seq_lens, tables, scale)
+        block_q, block_m = tile_shape(heads // kv_heads, max(q_lens))
+        tile_seq, tile_q0 = list_tiles(q_lens, block_q)
+        for n_split in (splits if block_q == 1 else (1,)):
+            _run_attention(device, dtype, q, k_cache, v_cache, tables, blocks_per_seq, q_lens, seq_lens, scale,
+                           block_q, block_m, tile_seq, tile_q0, n_split, expected, atol,
+                           f"{heads}/{kv_heads} heads, D={head_dim}, block {block_size}, q_lens {q_lens}, "
+                           f"ctx {ctx_lens}, splits {n_split}")
+
+
+def _run_attention(device, dtype, q, k_cache, v_cache, tables, blocks_per_seq, q_lens, seq_lens, scale, block_q,
+                   block_m, tile_seq, tile_q0, splits, expected, atol, label):
+    from tidyrun.kernels.attention import paged_attention
+
+    bt = torch.zeros(len(tables), max(blocks_per_seq) + 1, dtype=torch.int32)
+    for b, t in enumerate(tables):
+        bt[b, :len(t)] = torch.tensor(t)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    to = dict(device=device)
+    out = torch.empty(q.shape, dtype=dtype, **to)
+    paged_attention(q.to(dtype=dtype, **to), k_cache.to(dtype=dtype, **to), v_cache.to(dtype=dtype, **to), out,
+                    torch.tensor(tile_seq, dtype=torch.int32, **to), torch.tensor(tile_q0, dtype=torch.int32, **to),
+                    qsl.to(**to), torch.tensor(seq_lens, dtype=torch.int32, **to), bt.to(**to), scale,
+                    block_q, block_m, splits)
+    err = (out.float().cpu() - expected).abs().max().item()
+    assert err <= atol, f"attention {label}: max error {err}"
+
+
+def check_padding_rows(device, dtype, splits=1):
+    """A decode row with seq_len 0 (CUDA-graph padding) yields zeros and touches nothing."""
+    from tidyrun.kernels.attention import paged_attention
+
+    to = dict(device=device)
+    k = torch.full((2, 16, 1, 64), float("nan"), dtype=dtype, **to)
+    out = torch.full((2, 4, 64), 7.0, dtype=dtype, **to)
+    q = torch.ones(2, 4, 64, dtype=dtype, **to)
+    seq = torch.tensor([0, 1], dtype=torch.int32, **to)
+    paged_attention(q, k, k, out, seq, torch.zeros(2, dtype=torch.int32, **to),
+                    torch.tensor([0, 1, 2], dtype=torch.int32, **to), torch.zeros(2, dtype=torch.int32, **to),
+                    torch.zeros(2, 1, dtype=torch.int32, **to), 0.125, *tile_shape(4, 1), splits)
+    assert torch.equal(out.cpu(), torch.zeros(2, 4, 64, dtype=dtype)), out
+
+
+def check_fused(device, dtype, shapes, seed=0, atol=None):
+    from tidyrun.kernels.fused import add_rms_norm, rope_and_store, silu_mul
+
+    atol = atol if atol is not None else (1e-5 if dtype == torch.float32 else 1.6e-2)
+    g = torch.Generator().manual_seed(seed)
+    to = dict(device=device, dtype=dtype)
+    for tokens, hidden, heads, kv_heads, head_dim in shapes:
+        x = torch.randn(tokens, hidden, generator=g).to(**to)
+        r = torch.randn(tokens, hidden, generator=g).to(**to)
+        w = torch.randn(hidden, generator=g).to(**to)
+        out, res = add_rms_norm(x, r, w, 1e-5)
+        s = x + r
+        h = s.float()
+        ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert torch.equal(res, s), "add_rms_norm residual"
+        assert (out.float() - ref.float()).abs().max().item() <= atol * max(1.0, ref.abs().max().item()), "add_rms_norm"
+        out, same = add_rms_norm(x, None, w, 1e-5)
+        assert same is x
+
+        gu = torch.randn(tokens, 2 * hidden, generator=g).to(**to)
+        ref = F.silu(gu[:, :hidden]) * gu[:, hidden:]
+        assert (silu_mul(gu).float() - ref.float()).abs().max().item() <= atol * 8, "silu_mul"
+
+        positions = torch.randint(0, 500, (tokens,), generator=g)
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        freqs = torch.arange(512).float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos(), emb.sin()
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g).to(**to)
+        qr, kr, vr = qkv.split([q_size, kv_size, kv_size], -1)
+        c, sn = cos[positions].to(dtype)[:, None, :].to(device), sin[positions].to(dtype)[:, None, :].to(device)
+        q_ref = apply_rope(qr.reshape(tokens, heads, head_dim), c, sn)
+        k_ref = apply_rope(kr.reshape(tokens, kv_heads, head_dim), c, sn)
+        blocks, bs = tokens // 4 + 2, 4
+        k_cache = torch.zeros(blocks, bs, kv_heads, head_dim, **to)
+        v_cache = torch.zeros(blocks, bs, kv_heads, head_dim, **to)
+        slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+        if tokens > 1:
+            slots[0] = -1  # skipped (a CUDA-graph padding row)
+        rope_and_store(qkv, cos.to(device), sin.to(device), positions.to(device), heads, kv_heads, head_dim,
+                       slots.to(device), k_cache, v_cache)
+        q_out = qkv[:, :q_size].reshape(tokens, heads, head_dim)
+        assert (q_out.float() - q_ref.float()).abs().max().item() <= atol * 8, "rope q"
+        flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+        ok = slots >= 0
+        assert (flat_k[slots[ok]].float() - k_ref[ok].float()).abs().max().item() <= atol * 8, "rope k stored"
+        assert torch.equal(flat_v[slots[ok]], vr.reshape(tokens, kv_heads, head_dim)[ok]), "v stored"
+        assert int((flat_k != 0).any(-1).any(-1).sum()) == int(ok.sum()), "a skipped slot was written"
+
+
+ATTENTION_CASES = (
+    # heads, kv_heads, head_dim, block_size, new tokens per sequence, cached tokens per sequence
+    (4, 2, 64, 16, [1], [0]),                       # first token alone
+    (4, 2, 64, 16, [1, 1, 1], [15, 16, 47]),        # decode at block boundaries
+    (9, 3, 64, 16, [7, 1, 20], [0, 33, 5]),         # SmolLM's GQA ratio, mixed prefill/decode
+    (8, 8, 32, 8, [70], [0]),                       # MHA, a prefill spanning several tiles
+    (8, 1, 128, 32, [1, 3], [100, 64]),             # MQA, speculative-style multi-token decode
+    (32, 8, 64, 16, [1] * 5, [1, 2, 200, 31, 32]),  # Llama-1B shape
+)
+FUSED_SHAPES = ((1, 64, 4, 2, 16), (5, 96, 9, 3, 64), (17, 256, 4, 4, 32), (3, 128, 2, 2, 80))

@@ -1,0 +1,45 @@
+"""On CUDA: the Triton kernels equal plain-torch references over random shapes (bf16 and fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kernel_checks as kc
+
+pytestmark = pytest.mark.gpu
+
+
+def random_attention_cases(n: int, seed: int = 0):
+    """Random block sizes, GQA ratios and lengths, with 1 and the block boundaries over-represented."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        kv_heads = rng.choice([1, 2, 3, 8])
+        heads = kv_heads * rng.choice([1, 3, 4, 8])
+        block = rng.choice([8, 16, 32])
+        seqs = rng.randint(1, 6)
+        q_lens = [rng.choice([1, 1, 2, 5, block, block + 1, rng.randint(1, 300)]) for _ in range(seqs)]
+        ctx = [rng.choice([0, 1, block - 1, block, rng.randint(0, 700)]) for _ in range(seqs)]
+        cases.append((heads, kv_heads, rng.choice([64, 128]), block, q_lens, ctx))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_matches_reference(dtype):
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    kc.check_attention("cuda", dtype, kc.ATTENTION_CASES, atol=atol, splits=(1, 2, 16))
+    kc.check_attention("cuda", dtype, random_attention_cases(12), seed=1, atol=atol, splits=(1, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_padding_rows_are_inert(dtype):
+    kc.check_padding_rows("cuda", dtype)
+    kc.check_padding_rows("cuda", dtype, splits=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_kernels_match_reference(dtype):
+    kc.check_fused("cuda", dtype, kc.FUSED_SHAPES + ((256, 2048, 32, 8, 64), (7, 4096, 32, 8, 128)))

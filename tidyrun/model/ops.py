@@ -1,0 +1,98 @@
+"""The few operations of a decoder layer that have two implementations: plain torch and Triton.
+
+``TorchOps`` is the reference path (the CPU, and the ground truth in GPU
+tests); ``TritonOps`` runs the fused kernels of ``tidyrun.kernels`` on CUDA.
+A runner picks one when it builds the model, so the same model code runs on
+both. Neither holds any tensor between calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import AttentionMetadata, paged_attention_reference, store_kv
+from .layers import apply_rope
+
+
+class TorchOps:
+    """Reference implementations in plain torch (any device)."""
+
+    name = "torch"
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype), x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
+        """What each layer's ``rope_and_store`` needs: here, the gathered cos/sin rows."""
+        return rotary(positions, dtype)
+
+    def rope_and_store(self, qkv: torch.Tensor, rope, shape: tuple[int, int, int], kv: tuple | None,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split ``qkv``, rotate q and k, write k/v to the cache (when ``kv`` is given); returns q, k, v."""
+        heads, kv_heads, head_dim = shape
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        cos, sin = rope
+        q = apply_rope(q.view(tokens, heads, head_dim), cos, sin)
+        k = apply_rope(k.view(tokens, kv_heads, head_dim), cos, sin)
+        v = v.view(tokens, kv_heads, head_dim)
+        if kv is not None:
+            store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        return q, k, v
+
+    def attention(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        return paged_attention_reference(q, kv[0], kv[1], meta, scale)
+
+
+class TritonOps(TorchOps):
+    """Fused Triton kernels (CUDA). KV-free attention (pooling) keeps the torch path."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from ..kernels import attention, fused  # imported here: the CPU path never needs Triton
+
+        self._attn = attention
+        self._fused = fused
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._fused.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up):
+        return self._fused.silu_mul(gate_up)
+
+    def rope_tables(self, rotary, positions, dtype):
+        return rotary.cos, rotary.sin, positions
+
+    def rope_and_store(self, qkv, rope, shape, kv, meta):
+        heads, kv_heads, head_dim = shape
+        cos, sin, positions = rope
+        self._fused.rope_and_store(qkv, cos, sin, positions, heads, kv_heads, head_dim,
+                                   meta.slot_mapping if kv is not None else None,
+                                   kv[0] if kv is not None else None, kv[1] if kv is not None else None)
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return (q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim),
+                v.view(tokens, kv_heads, head_dim))
+
+    def attention(self, q, kv, meta, scale):
+        out = torch.empty_like(q)
+        return self._attn.paged_attention(q, kv[0], kv[1], out, meta.tile_seq, meta.tile_q0, meta.query_start_loc,
+                                          meta.seq_lens, meta.block_tables, scale, meta.block_q, meta.block_m,
+                                          meta.splits)
+
+
+def make_ops(device: torch.device) -> TorchOps:
+    """Triton kernels on CUDA, the torch reference elsewhere."""
+    return TritonOps() if device.type == "cuda" else TorchOps()
