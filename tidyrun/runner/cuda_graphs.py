@@ -87,11 +87,11 @@ class CudaGraphManager:
         capture several times slower.
         """
         start = time.perf_counter()
-        # Padding everywhere: every row writes nothing and attends to nothing, so warm-up has no effect.
-        self._inputs.device_buf.zero_()
         for size in self.sizes:
             self._metas[size] = self._metadata(size)
             if warm_up:  # the values matter only here: a captured graph reads them at replay
+                # Padding everywhere (each size lays the buffer out differently): rows write nothing, see nothing.
+                self._inputs.device_buf.zero_()
                 self._inputs.decode_views(size)["slot_mapping"].fill_(-1)
                 with ctx.scope(self._metas[size]):
                     self._run(model, size, kv_cache)
