@@ -460,3 +460,20 @@ def test_properties_after_shutdown(dead_llm, attr):
 def test_shutdown_aborted_in_flight_requests(dead_llm):
     assert not dead_llm.has_unfinished_requests()
     dead_llm.shutdown()  # and a third time
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(cuda_graph_sizes=[]), "cuda_graph_sizes"),
+    (dict(cuda_graph_sizes=[0, 8]), "cuda_graph_sizes"),
+    (dict(cuda_graph_sizes="8"), "cuda_graph_sizes"),
+    (dict(kernels="flash"), "kernels"),
+    (dict(enforce_eager="yes"), "enforce_eager"),
+])
+def test_gpu_execution_options_are_validated(checkpoint, kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        LLM(checkpoint, device="cpu", **kwargs)
+
+
+def test_triton_kernels_need_cuda(checkpoint):
+    with pytest.raises(InvalidRequestError, match="needs a CUDA device"):
+        LLM(checkpoint, device="cpu", kernels="triton")

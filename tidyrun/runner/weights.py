@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ..resources import ResourceLedger
-from .host_buffer import PinnedHostBuffer
 
 # Start every parameter on a 256-byte boundary, which GEMM kernels like.
 _ALIGN_BYTES = 256
@@ -26,11 +25,8 @@ class WeightArena:
 
     Owns device memory: the flat buffer, registered with the ledger as
     ``weights`` (together with every parameter view) each time it is
-    materialized. Owns host memory while offloaded: the host copy, a
-    ``PinnedHostBuffer`` (2 MiB pages registered with CUDA, or PyTorch's pinned
-    allocator if that fails; plain memory on the CPU) whose tensor is ``host``,
-    ledger owner ``host_weights``. It is kept across level-1 sleeps if
-    ``keep_host_buffer``; setting ``host = None`` (or ``drop_host()``) frees it.
+    materialized. Owns host memory while offloaded: the pinned copy, ledger
+    owner ``host_weights``.
     """
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, ledger: ResourceLedger,
@@ -50,30 +46,8 @@ class WeightArena:
                 offset += -(-math.prod(p.shape) // align) * align
         self.numel = offset
         self.flat: torch.Tensor | None = None
-        self._host_buffer: PinnedHostBuffer | None = None
+        self.host: torch.Tensor | None = None
         self.last_copy_s = 0.0  # duration of the last host<->device copy alone (for bandwidth reports)
-
-    @property
-    def host(self) -> torch.Tensor | None:
-        """The host copy of the weights (one flat tensor), or None when there is none."""
-        return None if self._host_buffer is None else self._host_buffer.tensor
-
-    @host.setter
-    def host(self, value: None) -> None:
-        """``arena.host = None`` frees the host copy (the only value that may be assigned)."""
-        if value is not None:
-            raise TypeError("WeightArena.host can only be set to None, which frees the host copy")
-        self.drop_host()
-
-    @property
-    def host_kind(self) -> str | None:
-        """How the host copy is allocated (``PinnedHostBuffer.kind``), or None when there is none."""
-        return None if self._host_buffer is None else self._host_buffer.kind
-
-    def drop_host(self) -> bool:
-        """Free the host copy; False if a tensor viewing it is still alive elsewhere (the ledger shows it)."""
-        buf, self._host_buffer = self._host_buffer, None
-        return True if buf is None else buf.close()
 
     @property
     def nbytes(self) -> int:
@@ -106,10 +80,10 @@ class WeightArena:
 
         The host buffer is allocated on first use and reused by later sleeps.
         """
-        if self._host_buffer is None:
-            buf = PinnedHostBuffer(self.numel, self.dtype, pin=self.device.type == "cuda", device=self.device)
-            self._ledger.track("host_weights", "weights.host", buf.tensor)
-            self._host_buffer = buf
+        if self.host is None:
+            pin = self.device.type == "cuda"
+            self.host = self._ledger.track("host_weights", "weights.host",
+                                           torch.empty(self.numel, dtype=self.dtype, pin_memory=pin))
         start = time.perf_counter()
         self.host.copy_(self.flat, non_blocking=True)
         if self.device.type == "cuda":
@@ -126,4 +100,4 @@ class WeightArena:
             torch.cuda.synchronize(self.device)
         self.last_copy_s = time.perf_counter() - start
         if not self.keep_host_buffer:
-            self.drop_host()
+            self.host = None
