@@ -54,12 +54,15 @@ def run(**kw):
     # Small token budget: prompts are chunked and mixed with decodes; the shared prefix hits the prefix cache.
     with LLM(ckpt, device="cpu", dtype="float32", max_num_batched_tokens=24, **kw) as llm:
         first = llm.generate(prompts[:1], greedy, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in first + llm.generate(prompts, greedy, use_tqdm=False)]
+        tokens = [o.outputs[0].token_ids for o in first + llm.generate(prompts, greedy, use_tqdm=False)]
+        return tokens, llm.compute_logits(shared * 2)  # one step longer than the token budget
 
-reference = run()
+reference, logits = run()
 ModelRunner._choose_ops = lambda self, config: TritonOps()  # the CUDA path's kernels and input packing, on the CPU
-assert run() == reference, "Triton path differs from the torch path"
-assert run(speculative=spec) == reference, "Triton path with speculation differs"
+tokens, triton_logits = run()
+assert tokens == reference, "Triton path differs from the torch path"
+assert (triton_logits - logits).abs().max() < 1e-3, "compute_logits differs"
+assert run(speculative=spec)[0] == reference, "Triton path with speculation differs"
 print("engine ok")
 """
 

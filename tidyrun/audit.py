@@ -290,8 +290,12 @@ def leaks_since(snap: Snapshot, device: str | None = None) -> list[Survivor]:
     return [s for s in (survivor(ref) for ref in fresh) if s is not None]
 
 
-def survivor(ref: weakref.ref) -> Survivor | None:
-    """Describe the tensor behind ``ref`` and who holds it, or None if it has died."""
+def survivor(ref: weakref.ref, nbytes: int | None = None) -> Survivor | None:
+    """Describe the tensor behind ``ref`` and who holds it, or None if it has died.
+
+    ``nbytes``: for a tracked object that is not a tensor (CUDA graphs and
+    their pool), the bytes the ledger measured when it was tracked.
+    """
     t = ref()
     if t is None:
         return None
@@ -299,8 +303,8 @@ def survivor(ref: weakref.ref) -> Survivor | None:
         desc = f"tensor{tuple(t.shape)} {t.dtype} on {t.device}"
         nbytes = tensor_nbytes(t)
         ptr = 0 if t.is_meta else t.untyped_storage().data_ptr()
-    else:  # an object holding device memory on the tensors' behalf (a CUDA graph)
-        desc, nbytes, ptr = type(t).__name__, 0, id(t)
+    else:  # an object holding device memory on the tensors' behalf (CUDA graphs and their pool)
+        desc, nbytes, ptr = type(t).__name__, nbytes or 0, id(t)
     del t
     target = ref()
     chain = referrer_chain(target) if target is not None else "<died>"

@@ -58,7 +58,8 @@ class ResourceLedger:
     def __init__(self) -> None:
         self._entries: dict[str, list[LedgerEntry]] = {}
 
-    def track(self, owner: str, name: str, tensor, nbytes: int | None = None, device: str | None = None):
+    def track(self, owner: str, name: str, tensor: torch.Tensor | object, nbytes: int | None = None,
+              device: str | None = None):
         """Record ``tensor`` under ``owner``; returns it so allocation sites stay one line.
 
         Objects that are not tensors but hold device memory (a CUDA graph and

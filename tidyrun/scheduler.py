@@ -140,7 +140,7 @@ class Scheduler:
         return ScheduledBatch(seqs, counts)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        if self.propose is None or seq.below_min_tokens():
+        if seq.below_min_tokens():
             return []
         p = seq.params
         limit = budget - 1

@@ -2,9 +2,12 @@
 
 Why hand-written: the torch reference path gathers every sequence's pages into
 a padded dense tensor each step (a full copy of the context), and
-FlexAttention compiles through inductor, whose process-wide caches outlive
-the engine (DESIGN.md). This kernel reads keys/values straight from the
-pages through the block tables and keeps no state outside its arguments.
+FlexAttention compiles through inductor, whose process-wide caches (graphs,
+guards, compiled code holding tensor references) outlive the engine
+(DESIGN.md). This kernel reads keys/values straight from the pages through
+the block tables and keeps no state outside its arguments; what Triton
+caches per process is compiled code only (loaded kernel images, which CUDA
+keeps until exit whichever library loaded them).
 
 Work split: a *tile* is up to ``BLOCK_Q`` consecutive query tokens of one
 sequence; one program handles one tile for one KV head and all the query
@@ -154,8 +157,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, kv_block = k_cache.shape[2], k_cache.shape[1]
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
-    assert splits == 1 or block_q == 1, "splitting the keys is for decode tiles"
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("paged_attention needs K and V caches of equal strides and a contiguous head_dim")
+    if splits > 1 and block_q != 1:
+        raise ValueError("splitting the keys (splits > 1) is for decode tiles (block_q == 1)")
     block_d = triton.next_power_of_2(head_dim)
     tokens = q.shape[0]
     if splits > 1:

@@ -3,7 +3,8 @@
 Why hand-written: in eager torch each of these is 3-8 kernel launches and as
 many round trips through memory; at decode batch sizes a layer's arithmetic
 is tiny, so launches and memory passes are the cost. torch.compile would fuse
-them too, but its caches are process-wide and outlive the engine (DESIGN.md).
+them too, but its caches are process-wide and outlive the engine (DESIGN.md);
+Triton keeps only the compiled kernels per process, no tensors.
 
 Each kernel rounds to the model dtype at the same points as the torch
 reference path (``model/layers.py``), so both paths agree to the last bit in

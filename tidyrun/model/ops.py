@@ -66,16 +66,19 @@ class TritonOps(TorchOps):
         self._attn = attention
         self._fused = fused
 
-    def add_rms_norm(self, x, residual, weight, eps):
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self._fused.add_rms_norm(x, residual, weight, eps)
 
-    def silu_mul(self, gate_up):
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._fused.silu_mul(gate_up)
 
-    def rope_tables(self, rotary, positions, dtype):
+    def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
+        """The whole float32 tables and the positions: the kernel gathers the rows itself."""
         return rotary.cos, rotary.sin, positions
 
-    def rope_and_store(self, qkv, rope, shape, kv, meta):
+    def rope_and_store(self, qkv: torch.Tensor, rope, shape: tuple[int, int, int], kv: tuple | None,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         heads, kv_heads, head_dim = shape
         cos, sin, positions = rope
         self._fused.rope_and_store(qkv, cos, sin, positions, heads, kv_heads, head_dim,
@@ -86,13 +89,10 @@ class TritonOps(TorchOps):
         return (q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim),
                 v.view(tokens, kv_heads, head_dim))
 
-    def attention(self, q, kv, meta, scale):
+    def attention(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         return self._attn.paged_attention(q, kv[0], kv[1], out, meta.tile_seq, meta.tile_q0, meta.query_start_loc,
                                           meta.seq_lens, meta.block_tables, scale, meta.block_q, meta.block_m,
                                           meta.splits)
 
-
-def make_ops(device: torch.device) -> TorchOps:
-    """Triton kernels on CUDA, the torch reference elsewhere."""
-    return TritonOps() if device.type == "cuda" else TorchOps()

@@ -23,6 +23,7 @@ import torch
 
 from ..attention import AttentionMetadata, ForwardContext
 from ..attention.metadata import decode_splits, tile_shape
+from ..kv_cache import KVCache
 from ..resources import ResourceLedger
 from .input_batch import StepInputs
 
@@ -41,6 +42,12 @@ def default_capture_sizes(max_num_seqs: int, limit: int = 256) -> tuple[int, ...
 
 
 class CudaGraphManager:
+    """Captures, replays and drops the decode graphs of one runner (see the module docstring).
+
+    Owns device memory: the graphs' pool and outputs and its constant
+    metadata tensors, all tracked with the ledger as ``cuda_graphs``.
+    """
+
     def __init__(self, sizes: tuple[int, ...], inputs: StepInputs, group: int, device: torch.device,
                  ledger: ResourceLedger) -> None:
         self.sizes = tuple(sorted(sizes))
@@ -57,12 +64,7 @@ class CudaGraphManager:
 
     def size_for(self, batch_size: int) -> int | None:
         """The smallest captured size that holds ``batch_size`` rows, or None."""
-        if not self._graphs:
-            return None
-        for size in self.sizes:
-            if size >= batch_size:
-                return size
-        return None
+        return next((size for size in self.sizes if size >= batch_size and size in self._graphs), None)
 
     def _metadata(self, size: int) -> AttentionMetadata:
         views = self._inputs.decode_views(size)
@@ -77,7 +79,7 @@ class CudaGraphManager:
                                  splits=decode_splits(size, self._inputs.num_kv_heads))
 
     @torch.inference_mode()
-    def capture(self, model, kv_cache, ctx: ForwardContext, warm_up: bool = True) -> float:
+    def capture(self, model: torch.nn.Module, kv_cache: KVCache, ctx: ForwardContext, warm_up: bool = True) -> float:
         """Capture every size, largest first so smaller graphs reuse the pool's blocks; returns seconds.
 
         ``warm_up`` runs each step once before capturing it, so Triton compiles
@@ -108,8 +110,13 @@ class CudaGraphManager:
                     graph.capture_begin(pool=pool)
                     try:
                         out = self._run(model, size, kv_cache)
-                    finally:
-                        graph.capture_end()
+                    except BaseException:
+                        try:  # close the capture so the stream is usable; its own error would hide the cause
+                            graph.capture_end()
+                        except Exception:  # noqa: BLE001 - the original error is re-raised below
+                            pass
+                        raise
+                    graph.capture_end()
                 torch.cuda.current_stream(self._device).wait_stream(stream)
             self._graphs[size] = self._ledger.track("cuda_graphs", f"cuda_graph.bs={size}", graph, nbytes=0,
                                                     device=str(self._device))
@@ -123,7 +130,7 @@ class CudaGraphManager:
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
 
-    def _run(self, model, size: int, kv_cache) -> torch.Tensor:
+    def _run(self, model: torch.nn.Module, size: int, kv_cache: KVCache) -> torch.Tensor:
         views = self._inputs.decode_views(size)
         return model(views["input_ids"], views["positions"], kv_cache)
 

@@ -29,8 +29,9 @@ from ..sequence import Sequence
 class InputBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # flat indices whose logits are needed: 1 per sampling sequence, 1 + drafts if speculating
+    metadata: AttentionMetadata | None  # None for a graph step: the graph replays the metadata it captured
+    logits_indices: torch.Tensor | None  # flat rows whose logits are needed: 1 per sampling sequence, 1 + drafts
+    # if speculating; None for a graph step (one row per sequence)
     sampling_seqs: list[Sequence]  # the sequences whose step ends at their last (or last draft) token
     graph_size: int | None = None  # set when the CUDA graph of this batch size is to replay the step
 
@@ -105,8 +106,9 @@ class StepInputs:
 
     Owns device memory: one int64 buffer (ledger owner ``inputs``), and a
     pinned host buffer of the same size. CUDA graphs capture views of the
-    device buffer at ``decode_offsets``, so it must outlive them (it is
-    acquired before them and released after them).
+    device buffer (``decode_views``), so it must outlive them (it is
+    acquired before them and released after them). The pinned host buffer
+    is tracked as ``inputs_host``.
     """
 
     def __init__(self, block_size: int, group: int, num_kv_heads: int, max_tokens: int, max_seqs: int,
@@ -118,7 +120,7 @@ class StepInputs:
         # 2 tile arrays (at most one tile per token), block tables. Graph layouts are smaller.
         capacity = 6 * max_tokens + 2 * max_seqs + 1 + max_seqs * max_blocks
         self.device_buf = ledger.track("inputs", "inputs.device", torch.zeros(capacity, dtype=torch.int64, device=device))
-        self.host_buf = ledger.track("inputs", "inputs.host",
+        self.host_buf = ledger.track("inputs_host", "inputs.host",
                                      torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda"))
         self._host = self.host_buf.numpy()
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -171,6 +173,4 @@ class StepInputs:
         self._write([(0, h.input_ids + [0] * pad), (size, h.positions + [0] * pad), (2 * size, h.slots + [-1] * pad),
                      (3 * size, h.seq_lens + [0] * pad)], (4 * size, self.max_blocks, h.tables))
         views = self.decode_views(size)
-        meta = AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=None, seq_lens=views["seq_lens"],
-                                 block_tables=views["block_tables"], max_query_len=1, max_seq_len=max(h.seq_lens))
-        return InputBatch(views["input_ids"], views["positions"], meta, None, h.sampling_seqs, graph_size=size)
+        return InputBatch(views["input_ids"], views["positions"], None, None, h.sampling_seqs, graph_size=size)

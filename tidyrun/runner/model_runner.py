@@ -16,6 +16,7 @@ buffer addresses, so they are captured again on every wake.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import time
 import warnings
@@ -41,7 +42,7 @@ from .cuda_graphs import CudaGraphManager, default_capture_sizes
 from .input_batch import InputBatch, StepInputs, build_reference_batch
 from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
 from .weights import WeightArena
-from ..spec_decode import verify_drafts
+from ..spec_decode import accept_greedy, verify_drafts
 
 SLEEP_TAGS = ("weights", "kv_cache")
 
@@ -107,6 +108,7 @@ class ModelRunner:
         self.ctx = ForwardContext()
         self.config = config
         self.ops = self._choose_ops(config)
+        self.graph_sizes = self._graph_sizes(config)
         self.inputs: StepInputs | None = None
         self.graphs: CudaGraphManager | None = None
         self._graphs_warm = False
@@ -145,22 +147,44 @@ class ModelRunner:
         return (f"{len(self.graphs.sizes)} CUDA graphs (batch {self.graphs.sizes[0]}..{self.graphs.sizes[-1]}) "
                 f"captured in {self.graphs.capture_seconds:.2f} s, pool {self.graphs.pool_bytes / 2**20:.0f} MiB")
 
+    def _graph_sizes(self, config: EngineConfig) -> tuple[int, ...] | None:
+        """Batch sizes to capture, or None when decode steps run eagerly. A decode batch never holds more
+        sequences than ``max_num_seqs`` nor more tokens than ``max_num_batched_tokens``."""
+        if config.enforce_eager or not isinstance(self.ops, TritonOps) or self.device.type != "cuda":
+            return None
+        cap = min(config.max_num_seqs, config.max_num_batched_tokens)
+        if config.cuda_graph_sizes is None:
+            return default_capture_sizes(cap)
+        too_big = [n for n in config.cuda_graph_sizes if n > cap]
+        if too_big:
+            raise InvalidRequestError(
+                f"cuda_graph_sizes {too_big} exceed what one decode step can hold: min(max_num_seqs="
+                f"{config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}) = {cap}")
+        return config.cuda_graph_sizes
+
     def _build_step_state(self) -> None:
-        """Step-input buffers and CUDA graphs (Triton path only); they need the weights and KV cache in place."""
+        """Step-input buffers and CUDA graphs (Triton path only); they need the weights and KV cache in place.
+
+        All or nothing: if a capture fails, what was built is dropped before the error propagates.
+        """
         if not isinstance(self.ops, TritonOps):
             return
         mc, cfg = self.model_config, self.config
-        self.inputs = StepInputs(self.block_size, mc.num_heads // mc.num_kv_heads, mc.num_kv_heads,
-                                 cfg.max_num_batched_tokens,
-                                 cfg.max_num_seqs, -(-self.max_model_len // self.block_size), self.device, self.ledger)
-        if cfg.enforce_eager or self.device.type != "cuda":
-            return
-        sizes = cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs)
-        self.graphs = CudaGraphManager(tuple(n for n in sizes if n <= cfg.max_num_seqs) or (1,), self.inputs,
-                                       mc.num_heads // mc.num_kv_heads, self.device, self.ledger)
-        # Kernels are compiled once per process; a recapture after a wake skips the warm-up runs.
-        self.graphs.capture(self.model, self.kv_cache, self.ctx, warm_up=not self._graphs_warm)
-        self._graphs_warm = True
+        group = mc.num_heads // mc.num_kv_heads
+        # compute_logits() sends a whole prompt (up to max_model_len tokens) through one step.
+        inputs = StepInputs(self.block_size, group, mc.num_kv_heads, max(cfg.max_num_batched_tokens, self.max_model_len),
+                            cfg.max_num_seqs, -(-self.max_model_len // self.block_size), self.device, self.ledger)
+        graphs = None
+        if self.graph_sizes is not None:
+            graphs = CudaGraphManager(self.graph_sizes, inputs, group, self.device, self.ledger)
+            try:
+                # Kernels are compiled once per process; a recapture after a wake skips the warm-up runs.
+                graphs.capture(self.model, self.kv_cache, self.ctx, warm_up=not self._graphs_warm)
+            except BaseException:
+                graphs.release()
+                raise
+            self._graphs_warm = True
+        self.inputs, self.graphs = inputs, graphs
 
     def _drop_step_state(self) -> None:
         """Graphs first (they read the input buffer and bake in weight/KV addresses), then the buffers."""
@@ -265,11 +289,16 @@ class ModelRunner:
         before = self.ledger.bytes_by_owner()
         start = time.perf_counter()
         self._drop_step_state()
-        if level == 1:
-            self.arena.offload()
-        else:
-            self.arena.release()
-            self.arena.host = None
+        try:
+            if level == 1:
+                self.arena.offload()
+            else:
+                self.arena.release()
+                self.arena.host = None
+        except BaseException:
+            if self.arena.flat is not None:  # still awake: give the steps back their buffers and graphs
+                self._build_step_state()
+            raise
         offload = time.perf_counter() - start
         self.model.model.rotary.release()
         self.kv_cache = None
@@ -309,10 +338,13 @@ class ModelRunner:
         self.last_transfer["graph_capture_s"] = self.graphs.capture_seconds if self.graphs else 0.0
 
     def _mark_awake(self, tag: str) -> None:
+        if self.sleeping == {tag}:
+            # The last component is back; a failure here leaves the engine asleep on ``tag``, so a later
+            # wake_up() can retry instead of steps running without their buffers.
+            self._build_step_state()
         self.sleeping.discard(tag)
         if not self.sleeping:
             self.sleep_level = None
-            self._build_step_state()
 
     def update_weights(self, weights) -> int:
         """Copy HF-named tensors into the weights in place; returns how many were loaded.
@@ -351,7 +383,7 @@ class ModelRunner:
         return len(loaded)
 
     def _build_inputs(self, batch: ScheduledBatch, graphs: bool = True) -> InputBatch:
-        if self.inputs is None:
+        if not isinstance(self.ops, TritonOps):
             return build_reference_batch(batch, self.block_size, self.device)
         # A graph step is one sampled token per sequence: no prompt chunk, no drafts.
         decode = all(n == 1 and not s.draft_tokens and s.num_computed_tokens + 1 == s.num_tokens
@@ -384,6 +416,14 @@ class ModelRunner:
             self._ban_stop_tokens_below_min(logits, seqs)
             tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
             return [(s, [t]) for s, t in zip(seqs, tokens.tolist())]
+        if all(s.params.greedy for s in seqs):  # one argmax and one copy to the host for the whole batch
+            starts = list(itertools.accumulate((1 + len(s.draft_tokens) for s in seqs), initial=0))
+            for seq, row in zip(seqs, starts):
+                if not seq.draft_tokens:
+                    self._ban_stop_tokens_below_min(logits[row:row + 1], [seq])
+            targets = logits.argmax(dim=-1).tolist()
+            return [(s, accept_greedy(s.draft_tokens, targets[row:row + 1 + len(s.draft_tokens)]))
+                    for s, row in zip(seqs, starts)]
         out, row = [], 0
         for seq in seqs:  # drafts are never scheduled below min_tokens, so no stop-token ban is needed here
             rows = 1 + len(seq.draft_tokens)
@@ -436,7 +476,7 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.release()
             self.graphs = None
-        elif owner == "inputs":
+        elif owner in ("inputs", "inputs_host"):
             self.inputs = None
         elif owner == "kv_cache":
             self.kv_cache = None
@@ -467,7 +507,7 @@ class ModelRunner:
             self._release(owner)
         gc.collect()
         free_device_caches(self.device)
-        survivors = [s for s in (survivor(e.ref) for e in self.ledger.live_entries()) if s is not None]
+        survivors = [s for s in (survivor(e.ref, e.fixed_nbytes) for e in self.ledger.live_entries()) if s is not None]
         self.shutdown_report = ShutdownReport(released, survivors, time.perf_counter() - start)
         if survivors:
             if strict:

@@ -136,7 +136,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         """Consume a request to its end; a client that disconnects meanwhile aborts it."""
         async def consume():
             last = None
-            async for out in loop.generate({"prompt_token_ids": ids}, params):
+            async for out in loop.generate({"prompt_token_ids": ids}, params, stream=False):
                 last = out
             return last
 

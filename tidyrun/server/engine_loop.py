@@ -29,6 +29,7 @@ logger = logging.getLogger("tidyrun.server")
 class _Subscriber:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    stream: bool = True  # False: only the final output is wanted (the text is then built once, at the end)
 
     def push(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -71,15 +72,17 @@ class EngineLoop:
         if not self.running:
             raise EngineShutdownError("the server is shutting down")
 
-    async def generate(self, prompt: PromptType, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Submit one request and yield its output after every engine step until it finishes.
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its output after every engine step until it finishes
+        (``stream=False``: only the final output).
 
         Leaving the iteration early (client gone, task cancelled) aborts the
         request, which frees its KV blocks.
         """
         self._check_running()
         request_id = uuid.uuid4().hex
-        sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
+        sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(), stream)
         self._commands.put(("add", request_id, prompt, params, sub))
         finished = False
         try:
@@ -170,6 +173,8 @@ class EngineLoop:
             self.llm.step()  # collect the aborted outputs
             return
         for request_id, sub in list(self._subscribers.items()):
+            if not sub.stream and request_id not in finished:
+                continue  # building an intermediate output would detokenize every step for nobody
             out = finished.get(request_id) or self.llm.request_output(request_id)
             if out is not None:
                 sub.push(out)

@@ -16,18 +16,22 @@ import torch
 from ..sampling import Sampler, SamplingParams, draw
 
 
+def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
+    """Greedy verification given the argmax ``targets`` at every draft position and after the last."""
+    out = []
+    for d, t in zip(drafts, targets):
+        out.append(t)
+        if t != d:
+            return out
+    out.append(targets[len(drafts)])
+    return out
+
+
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, drafts: list[int], params: SamplingParams,
                   generator: torch.Generator | None) -> list[int]:
     """Tokens to append (1 to len(drafts) + 1) given float32 logits [len(drafts) + 1, vocab]."""
     if params.greedy:
-        targets = logits.argmax(dim=-1).tolist()
-        out = []
-        for d, t in zip(drafts, targets):
-            out.append(t)
-            if t != d:
-                return out
-        out.append(targets[len(drafts)])
-        return out
+        return accept_greedy(drafts, logits.argmax(dim=-1).tolist())
     probs = sampler.probabilities(logits, [params] * logits.shape[0])
     uniforms = torch.rand(len(drafts), generator=generator, device=logits.device).tolist()
     chosen = probs[torch.arange(len(drafts), device=logits.device), torch.tensor(drafts, device=logits.device)].tolist()
