@@ -209,3 +209,35 @@ def test_shutdown_while_asleep_is_clean(tiny_llama_dir):
     refs = [e.ref for e in llm.runner.ledger.entries()]
     assert llm.shutdown().clean
     assert all(r() is None for r in refs)
+
+
+def test_failed_sleep_leaves_the_engine_awake_and_usable(engine, monkeypatch):
+    before = greedy(engine)
+
+    def fail():
+        raise MemoryError("no pinned host memory left")
+
+    monkeypatch.setattr(engine.runner.arena, "offload", fail)
+    with pytest.raises(MemoryError):
+        engine.sleep(level=1)
+    monkeypatch.undo()
+    assert not engine.is_sleeping
+    assert greedy(engine) == before
+
+
+def test_failed_wake_stays_asleep_and_can_be_retried(engine, monkeypatch):
+    before = greedy(engine)
+    engine.sleep(level=1)
+
+    def fail():
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(engine.runner, "_build_step_state", fail)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        engine.wake_up()
+    assert engine.is_sleeping and engine.runner.sleeping == {"kv_cache"}
+    with pytest.raises(EngineSleepingError):
+        engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    engine.wake_up()
+    assert greedy(engine) == before

@@ -281,6 +281,7 @@ class LLM:
         """Run one scheduler step; returns the outputs of requests that finished (or were aborted) since the last."""
         self._check_alive()
         batch = self.scheduler.schedule()
+        finished: set[str] = set()  # requests with a sequence that finished in this step
         if batch.seqs:
             try:
                 sampled = self.runner.execute(batch)
@@ -305,11 +306,12 @@ class LLM:
                     seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
                 if seq.is_finished:
                     self.scheduler.finish(seq)
+                    finished.add(seq.request_id)
             for seq in batch.seqs:
                 seq.draft_tokens = []
                 if not seq.is_finished:
                     self.scheduler.register_computed_blocks(seq)
-        self._collect_finished()
+        self._collect_finished(finished)
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
@@ -337,8 +339,11 @@ class LLM:
             "device_memory_bytes": self.runner.ledger.bytes_by_owner(),
         }
 
-    def _collect_finished(self) -> None:
-        for r in [r for r in self._requests.values() if r.finished]:
+    def _collect_finished(self, request_ids: set[str] | None = None) -> None:
+        """Move finished requests' outputs to the pending list: those of ``request_ids``, or all of them."""
+        candidates = self._requests.values() if request_ids is None else (
+            self._requests[i] for i in request_ids if i in self._requests)
+        for r in [r for r in candidates if r.finished]:
             del self._requests[r.request_id]
             self._pending_outputs.append(r.output())
 
