@@ -41,6 +41,7 @@ ENGINE_SCRIPT = """
 import sys
 from tidyrun import LLM, SamplingParams
 from tidyrun.model.ops import TritonOps
+from tidyrun.runner.cuda_graphs import CudaGraphManager
 from tidyrun.runner.model_runner import ModelRunner
 from tidyrun.synthetic import write_random_checkpoint
 
@@ -63,6 +64,28 @@ tokens, triton_logits = run()
 assert tokens == reference, "Triton path differs from the torch path"
 assert (triton_logits - logits).abs().max() < 1e-3, "compute_logits differs"
 assert run(speculative=spec)[0] == reference, "Triton path with speculation differs"
+
+# CUDA graphs cannot be captured on the CPU; running each "graph" eagerly on the graph's own input layout
+# and metadata checks everything a replay reads: padded decode batches and padded draft-verification batches.
+def capture(self, model, kv_cache, ctx, warm_up=True):
+    for key in self.keys:
+        self._metas[key] = self._metadata(*key)
+        self._graphs[key] = (model, kv_cache, ctx)
+    return 0.0
+
+def replay(self, key):
+    model, kv_cache, ctx = self._graphs[key]
+    with ctx.scope(self._metas[key]):
+        return self._run(model, key, kv_cache)
+
+CudaGraphManager.capture, CudaGraphManager.replay = capture, replay
+ModelRunner._graph_sizes = lambda self, config: {1: (1, 2, 4, 8), 4: (1, 2, 4, 8)}
+replays = []
+real_replay = CudaGraphManager.replay
+CudaGraphManager.replay = lambda self, key: replays.append(key) or real_replay(self, key)
+assert run()[0] == reference, "graph layout (decode) differs"
+assert run(speculative=spec)[0] == reference, "graph layout (draft verification) differs"
+assert any(q == 1 for _, q in replays) and any(q == 4 for _, q in replays), replays
 print("engine ok")
 """
 

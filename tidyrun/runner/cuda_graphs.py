@@ -4,15 +4,19 @@ A decode step of a small model is hundreds of short kernels; launched from
 Python one by one, the launches cost more than the arithmetic. A captured
 graph replays them in one call. Graphs read their inputs from the runner's
 ``StepInputs`` device buffer at fixed offsets, so a step only writes that
-buffer and replays the graph of the next captured size up (padding rows
-write nothing and attend to nothing).
+buffer and replays the graph of the next captured size up (padding tokens
+write nothing, padding sequences attend to nothing).
 
-Owns device memory: one graph memory pool shared by every captured size (the
-activations and output of each graph), plus the constant tile and
-query-start tensors; all registered with the ledger as ``cuda_graphs``.
-Graphs bake in the addresses of the weights and the KV cache, so they are
-dropped before either is released (sleep, shutdown) and captured again when
-both are back.
+A graph is keyed by (sequences, tokens per sequence): plain decode is
+``q = 1``; with n-gram speculation, steps that verify up to k drafts are
+captured too with ``q = k + 1`` (a sequence with fewer drafts uses fewer of
+its rows; its query start is data, not baked in).
+
+Owns device memory: one graph memory pool shared by every captured graph
+(the activations and output of each), plus the constant tile tensors; all
+registered with the ledger as ``cuda_graphs``. Graphs bake in the addresses
+of the weights and the KV cache, so they are dropped before either is
+released (sleep, shutdown) and captured again when both are back.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from ..attention.metadata import decode_splits, tile_shape
 from ..kv_cache import KVCache
 from ..resources import ResourceLedger
 from .input_batch import StepInputs
+
+GraphKey = tuple[int, int]  # (sequences, query tokens per sequence)
 
 
 class _Graphs(dict):
@@ -42,19 +48,21 @@ def default_capture_sizes(max_num_seqs: int, limit: int = 256) -> tuple[int, ...
 
 
 class CudaGraphManager:
-    """Captures, replays and drops the decode graphs of one runner (see the module docstring).
+    """Captures, replays and drops the step graphs of one runner (see the module docstring).
 
     Owns device memory: the graphs' pool and outputs and its constant
     metadata tensors, all tracked with the ledger as ``cuda_graphs``.
+    ``sizes`` maps tokens per sequence (1, and k + 1 when speculating) to
+    the batch sizes captured for it.
     """
 
-    def __init__(self, sizes: tuple[int, ...], inputs: StepInputs, group: int, device: torch.device,
+    def __init__(self, sizes: dict[int, tuple[int, ...]], inputs: StepInputs, group: int, device: torch.device,
                  ledger: ResourceLedger) -> None:
-        self.sizes = tuple(sorted(sizes))
+        self.sizes = {q: tuple(sorted(s)) for q, s in sizes.items()}
         self._inputs, self._group, self._device, self._ledger = inputs, group, device, ledger
         self._graphs = _Graphs()
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._metas: dict[int, AttentionMetadata] = {}
+        self._outputs: dict[GraphKey, torch.Tensor] = {}
+        self._metas: dict[GraphKey, AttentionMetadata] = {}
         self.pool_bytes = 0
         self.capture_seconds = 0.0
 
@@ -62,25 +70,31 @@ class CudaGraphManager:
     def captured(self) -> bool:
         return bool(self._graphs)
 
-    def size_for(self, batch_size: int) -> int | None:
-        """The smallest captured size that holds ``batch_size`` rows, or None."""
-        return next((size for size in self.sizes if size >= batch_size and size in self._graphs), None)
+    @property
+    def keys(self) -> list[GraphKey]:
+        return [(size, q) for q, sizes in self.sizes.items() for size in sizes]
 
-    def _metadata(self, size: int) -> AttentionMetadata:
-        views = self._inputs.decode_views(size)
-        block_q, block_m = tile_shape(self._group, 1)
-        arange = torch.arange(size + 1, dtype=torch.int64, device=self._device)
-        tile_q0 = torch.zeros(size, dtype=torch.int64, device=self._device)
-        for name, t in (("query_start", arange), ("tile_q0", tile_q0)):
-            self._ledger.track("cuda_graphs", f"cuda_graph.bs={size}.{name}", t)
-        return AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=arange, seq_lens=views["seq_lens"],
-                                 block_tables=views["block_tables"], max_query_len=1, max_seq_len=0,
-                                 tile_seq=arange[:size], tile_q0=tile_q0, block_q=block_q, block_m=block_m,
-                                 splits=decode_splits(size, self._inputs.num_kv_heads))
+    def key_for(self, batch_size: int, q: int) -> GraphKey | None:
+        """The captured graph with the fewest sequences >= ``batch_size`` for ``q`` tokens each, or None."""
+        return next(((size, q) for size in self.sizes.get(q, ()) if size >= batch_size and (size, q) in self._graphs),
+                    None)
+
+    def _metadata(self, size: int, q: int) -> AttentionMetadata:
+        views = self._inputs.graph_views(size, q)
+        block_q, block_m = tile_shape(self._group, q)
+        tiles = -(-q // block_q)  # per sequence; a sequence with fewer rows leaves the last tiles empty
+        tile_seq = torch.arange(size, dtype=torch.int64, device=self._device).repeat_interleave(tiles)
+        tile_q0 = (torch.arange(tiles, dtype=torch.int64, device=self._device) * block_q).repeat(size)
+        for name, t in (("tile_seq", tile_seq), ("tile_q0", tile_q0)):
+            self._ledger.track("cuda_graphs", f"cuda_graph.bs={size}.q={q}.{name}", t)
+        return AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
+                                 seq_lens=views["seq_lens"], block_tables=views["block_tables"], max_query_len=q,
+                                 max_seq_len=0, tile_seq=tile_seq, tile_q0=tile_q0, block_q=block_q, block_m=block_m,
+                                 splits=decode_splits(size, self._inputs.num_kv_heads) if q == 1 else 1)
 
     @torch.inference_mode()
     def capture(self, model: torch.nn.Module, kv_cache: KVCache, ctx: ForwardContext, warm_up: bool = True) -> float:
-        """Capture every size, largest first so smaller graphs reuse the pool's blocks; returns seconds.
+        """Capture every graph, largest first so smaller ones reuse the pool's blocks; returns seconds.
 
         ``warm_up`` runs each step once before capturing it, so Triton compiles
         and cuBLAS picks its kernels outside the capture; a recapture (after a
@@ -89,27 +103,28 @@ class CudaGraphManager:
         capture several times slower.
         """
         start = time.perf_counter()
-        for size in self.sizes:
-            self._metas[size] = self._metadata(size)
+        keys = sorted(self.keys, key=lambda k: k[0] * k[1])
+        for key in keys:
+            self._metas[key] = self._metadata(*key)
             if warm_up:  # the values matter only here: a captured graph reads them at replay
-                # Padding everywhere (each size lays the buffer out differently): rows write nothing, see nothing.
+                # Padding everywhere (each key lays the buffer out differently): no sequence owns a token.
                 self._inputs.device_buf.zero_()
-                self._inputs.decode_views(size)["slot_mapping"].fill_(-1)
-                with ctx.scope(self._metas[size]):
-                    self._run(model, size, kv_cache)
+                self._inputs.graph_views(*key)["slot_mapping"].fill_(-1)
+                with ctx.scope(self._metas[key]):
+                    self._run(model, key, kv_cache)
         torch.cuda.synchronize(self._device)
         torch.cuda.empty_cache()  # warm-up activations out of the reading below
         reserved = torch.cuda.memory_reserved(self._device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self._device)
-        for size in reversed(self.sizes):
+        for key in reversed(keys):
             graph = torch.cuda.CUDAGraph()
-            with ctx.scope(self._metas[size]):
+            with ctx.scope(self._metas[key]):
                 stream.wait_stream(torch.cuda.current_stream(self._device))
                 with torch.cuda.stream(stream):
                     graph.capture_begin(pool=pool)
                     try:
-                        out = self._run(model, size, kv_cache)
+                        out = self._run(model, key, kv_cache)
                     except BaseException:
                         try:  # close the capture so the stream is usable; its own error would hide the cause
                             graph.capture_end()
@@ -118,9 +133,9 @@ class CudaGraphManager:
                         raise
                     graph.capture_end()
                 torch.cuda.current_stream(self._device).wait_stream(stream)
-            self._graphs[size] = self._ledger.track("cuda_graphs", f"cuda_graph.bs={size}", graph, nbytes=0,
-                                                    device=str(self._device))
-            self._outputs[size] = self._ledger.track("cuda_graphs", f"cuda_graph.bs={size}.output", out)
+            name = f"cuda_graph.bs={key[0]}.q={key[1]}"
+            self._graphs[key] = self._ledger.track("cuda_graphs", name, graph, nbytes=0, device=str(self._device))
+            self._outputs[key] = self._ledger.track("cuda_graphs", f"{name}.output", out)
         torch.cuda.synchronize(self._device)
         # The pool's blocks are not tensors of ours: account them to the graphs that keep the pool alive.
         outputs = sum(t.untyped_storage().nbytes() for t in self._outputs.values())
@@ -130,14 +145,14 @@ class CudaGraphManager:
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
 
-    def _run(self, model: torch.nn.Module, size: int, kv_cache: KVCache) -> torch.Tensor:
-        views = self._inputs.decode_views(size)
+    def _run(self, model: torch.nn.Module, key: GraphKey, kv_cache: KVCache) -> torch.Tensor:
+        views = self._inputs.graph_views(*key)
         return model(views["input_ids"], views["positions"], kv_cache)
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Run the captured step of ``size`` rows on what the step inputs hold now; final hidden states."""
-        self._graphs[size].replay()
-        return self._outputs[size]
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """Run the captured step ``key`` on what the step inputs hold now; final hidden states (padded rows too)."""
+        self._graphs[key].replay()
+        return self._outputs[key]
 
     def release(self) -> None:
         """Drop every graph and its outputs; their pool goes back once the caching allocator is emptied."""

@@ -6,9 +6,10 @@ Two builders share one host-side pass over the sequences:
   reference attention (CPU), one small tensor each;
 - ``StepInputs`` (CUDA, Triton kernels) packs every integer input of a step
   into one pinned host buffer and sends it in a single copy into one device
-  buffer whose slices are the step's tensors. A decode batch that a CUDA
-  graph will replay is written at the fixed offsets that graph captured,
-  padded to its size (padding rows: slot -1, context length 0).
+  buffer whose slices are the step's tensors. A batch that a CUDA graph will
+  replay (decode, or decode with up to k drafts per sequence) is written at
+  the fixed offsets that graph captured, padded to its size: padding tokens
+  (slot -1) sit after the last sequence's, padding sequences own no token.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ class InputBatch:
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata | None  # None for a graph step: the graph replays the metadata it captured
     logits_indices: torch.Tensor | None  # flat rows whose logits are needed: 1 per sampling sequence, 1 + drafts
-    # if speculating; None for a graph step (one row per sequence)
+    # if speculating; None for a graph step, where every real row is needed (rows [0, num_rows))
     sampling_seqs: list[Sequence]  # the sequences whose step ends at their last (or last draft) token
-    graph_size: int | None = None  # set when the CUDA graph of this batch size is to replay the step
+    graph: tuple[int, int] | None = None  # (sequences, tokens per sequence) of the CUDA graph to replay
+    num_rows: int = 0  # real (unpadded) token rows of a graph step
 
 
 @dataclass
@@ -106,7 +108,7 @@ class StepInputs:
 
     Owns device memory: one int64 buffer (ledger owner ``inputs``), and a
     pinned host buffer of the same size. CUDA graphs capture views of the
-    device buffer (``decode_views``), so it must outlive them (it is
+    device buffer (``graph_views``), so it must outlive them (it is
     acquired before them and released after them). The pinned host buffer
     is tracked as ``inputs_host``.
     """
@@ -125,12 +127,14 @@ class StepInputs:
         self._host = self.host_buf.numpy()
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
-    def decode_views(self, size: int) -> dict[str, torch.Tensor]:
-        """Views of the device buffer that the CUDA graph of ``size`` decode rows reads."""
-        n, w = size, self.max_blocks
+    def graph_views(self, size: int, q: int) -> dict[str, torch.Tensor]:
+        """Views of the device buffer that the CUDA graph of ``size`` sequences x ``q`` tokens reads."""
+        t, w = size * q, self.max_blocks
         buf = self.device_buf
-        return dict(input_ids=buf[:n], positions=buf[n:2 * n], slot_mapping=buf[2 * n:3 * n],
-                    seq_lens=buf[3 * n:4 * n], block_tables=buf[4 * n:4 * n + n * w].view(n, w))
+        qs = 3 * t + size + 1
+        return dict(input_ids=buf[:t], positions=buf[t:2 * t], slot_mapping=buf[2 * t:3 * t],
+                    query_start_loc=buf[3 * t:qs], seq_lens=buf[qs:qs + size],
+                    block_tables=buf[qs + size:qs + size + size * w].view(size, w))
 
     def _write(self, chunks: list[tuple[int, list[int]]], tables: tuple[int, int, list[list[int]]]) -> None:
         """Fill the staging buffer and send it in one copy. ``tables``: (offset, row width, rows);
@@ -149,10 +153,10 @@ class StepInputs:
         if self._copied is not None:
             self._copied.record()
 
-    def build(self, batch: ScheduledBatch, graph_size: int | None = None) -> InputBatch:
+    def build(self, batch: ScheduledBatch, graph: tuple[int, int] | None = None) -> InputBatch:
         h = _host_batch(batch, self.block_size)
-        if graph_size is not None:
-            return self._build_decode(h, graph_size)
+        if graph is not None:
+            return self._build_graph_step(h, *graph)
         seqs = len(h.seq_lens)
         block_q, block_m = tile_shape(self.group, max(h.query_lens))
         tile_seq, tile_q0 = list_tiles(h.query_lens, block_q)
@@ -168,9 +172,13 @@ class StepInputs:
                                  splits=decode_splits(seqs, self.num_kv_heads) if block_q == 1 else 1)
         return InputBatch(v[0], v[1], meta, v[3], h.sampling_seqs)
 
-    def _build_decode(self, h: _HostBatch, size: int) -> InputBatch:
-        pad = size - len(h.input_ids)
-        self._write([(0, h.input_ids + [0] * pad), (size, h.positions + [0] * pad), (2 * size, h.slots + [-1] * pad),
-                     (3 * size, h.seq_lens + [0] * pad)], (4 * size, self.max_blocks, h.tables))
-        views = self.decode_views(size)
-        return InputBatch(views["input_ids"], views["positions"], None, None, h.sampling_seqs, graph_size=size)
+    def _build_graph_step(self, h: _HostBatch, size: int, q: int) -> InputBatch:
+        t, rows = size * q, len(h.input_ids)
+        pad, pad_seqs = t - rows, size - len(h.seq_lens)
+        qs = 3 * t + size + 1
+        self._write([(0, h.input_ids + [0] * pad), (t, h.positions + [0] * pad), (2 * t, h.slots + [-1] * pad),
+                     (3 * t, h.query_start + [rows] * pad_seqs), (qs, h.seq_lens + [0] * pad_seqs)],
+                    (qs + size, self.max_blocks, h.tables))
+        views = self.graph_views(size, q)
+        return InputBatch(views["input_ids"], views["positions"], None, None, h.sampling_seqs, graph=(size, q),
+                          num_rows=rows)

@@ -144,23 +144,31 @@ class ModelRunner:
     def _graph_summary(self) -> str:
         if self.graphs is None:
             return "no CUDA graphs"
-        return (f"{len(self.graphs.sizes)} CUDA graphs (batch {self.graphs.sizes[0]}..{self.graphs.sizes[-1]}) "
+        return (f"{len(self.graphs.keys)} CUDA graphs ({self.graphs.sizes}: batch sizes by tokens per sequence) "
                 f"captured in {self.graphs.capture_seconds:.2f} s, pool {self.graphs.pool_bytes / 2**20:.0f} MiB")
 
-    def _graph_sizes(self, config: EngineConfig) -> tuple[int, ...] | None:
-        """Batch sizes to capture, or None when decode steps run eagerly. A decode batch never holds more
-        sequences than ``max_num_seqs`` nor more tokens than ``max_num_batched_tokens``."""
+    def _graph_sizes(self, config: EngineConfig) -> dict[int, tuple[int, ...]] | None:
+        """Batch sizes to capture by tokens per sequence (1: decode; k + 1: verifying up to k drafts),
+        or None when steps run eagerly. A step never holds more sequences than ``max_num_seqs`` nor
+        more tokens than ``max_num_batched_tokens``."""
         if config.enforce_eager or not isinstance(self.ops, TritonOps) or self.device.type != "cuda":
             return None
         cap = min(config.max_num_seqs, config.max_num_batched_tokens)
         if config.cuda_graph_sizes is None:
-            return default_capture_sizes(cap)
-        too_big = [n for n in config.cuda_graph_sizes if n > cap]
-        if too_big:
-            raise InvalidRequestError(
-                f"cuda_graph_sizes {too_big} exceed what one decode step can hold: min(max_num_seqs="
-                f"{config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}) = {cap}")
-        return config.cuda_graph_sizes
+            sizes = {1: default_capture_sizes(cap)}
+        else:
+            too_big = [n for n in config.cuda_graph_sizes if n > cap]
+            if too_big:
+                raise InvalidRequestError(
+                    f"cuda_graph_sizes {too_big} exceed what one decode step can hold: min(max_num_seqs="
+                    f"{config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}) = {cap}")
+            sizes = {1: config.cuda_graph_sizes}
+        if config.speculative is not None:
+            q = config.speculative.num_speculative_tokens + 1
+            verify = tuple(n for n in sizes[1] if n * q <= config.max_num_batched_tokens)
+            if verify:
+                sizes[q] = verify
+        return sizes
 
     def _build_step_state(self) -> None:
         """Step-input buffers and CUDA graphs (Triton path only); they need the weights and KV cache in place.
@@ -386,10 +394,18 @@ class ModelRunner:
         if not isinstance(self.ops, TritonOps):
             return build_reference_batch(batch, self.block_size, self.device)
         # A graph step is one sampled token per sequence: no prompt chunk, no drafts.
-        decode = all(n == 1 and not s.draft_tokens and s.num_computed_tokens + 1 == s.num_tokens
-                     for s, n in zip(batch.seqs, batch.num_new_tokens))
-        size = self.graphs.size_for(len(batch)) if graphs and decode and self.graphs is not None else None
-        return self.inputs.build(batch, size)
+        return self.inputs.build(batch, self._graph_key(batch) if graphs and self.graphs is not None else None)
+
+    def _graph_key(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+        """The CUDA graph that can run ``batch``: every sequence decodes its last token, plus its drafts."""
+        longest = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if n != 1 + len(seq.draft_tokens) or seq.num_computed_tokens + 1 != seq.num_tokens:
+                return None
+            longest = max(longest, n)
+        q = 1 if longest == 1 else (self.config.speculative.num_speculative_tokens + 1 if self.config.speculative
+                                    else longest)
+        return self.graphs.key_for(len(batch), q)
 
     def _forward(self, inputs: InputBatch) -> torch.Tensor:
         with self.ctx.scope(inputs.metadata):
@@ -404,8 +420,8 @@ class ModelRunner:
         """
         self.check_awake()
         inputs = self._build_inputs(batch)
-        if inputs.graph_size is not None:
-            hidden = self.graphs.replay(inputs.graph_size)[:len(batch)]  # decode: one row per sequence
+        if inputs.graph is not None:  # every real row samples: one per sequence, plus one per draft
+            hidden = self.graphs.replay(inputs.graph)[:inputs.num_rows]
         else:
             hidden = self._forward(inputs)[inputs.logits_indices]
         if not inputs.sampling_seqs:
