@@ -94,9 +94,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            decoding = n == 1 and seq.num_tokens - seq.num_computed_tokens == 1
-            seq.draft_tokens = self._drafts(seq, budget) if decoding and self.propose is not None else []
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            n = min(remaining, budget)
+            seq.draft_tokens = self._drafts(seq, budget) if remaining == 1 and self.propose is not None else []
             if seq.draft_tokens:
                 extra = len(seq.draft_tokens)
                 if self._blocks_needed(seq, n + extra) <= self.pool.num_free:
@@ -104,14 +104,14 @@ class Scheduler:
                 else:  # no room to speculate: decode one token rather than preempt someone
                     seq.draft_tokens = []
             need = self._blocks_needed(seq, n)
-            while need > self.pool.num_free and len(self.running) - 1 > i:
-                self._preempt(self.running.pop())
-                preempted = True
-            if need > self.pool.num_free:
-                self._preempt(self.running.pop(i))
-                preempted = True
-                continue
-            if need:
+            if need:  # most decode steps need no new block
+                while need > self.pool.num_free and len(self.running) - 1 > i:
+                    self._preempt(self.running.pop())
+                    preempted = True
+                if need > self.pool.num_free:
+                    self._preempt(self.running.pop(i))
+                    preempted = True
+                    continue
                 seq.block_table.extend(self.pool.allocate(need))
             seqs.append(seq)
             counts.append(n)

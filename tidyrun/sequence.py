@@ -123,7 +123,8 @@ class Sequence:
         """Add a sampled token and finish the sequence if a stop condition holds."""
         self.token_ids.append(token_id)
         p = self.params
-        allowed_to_stop = self.num_output_tokens >= p.min_tokens
+        num_output = len(self.token_ids) - self.num_prompt_tokens  # computed once: this runs per sequence per step
+        allowed_to_stop = num_output >= p.min_tokens
         if allowed_to_stop and (token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_token_ids)):
             self._final_text(len(self.token_ids) - 1)  # the stop token is not part of the text
             self.finish("stop", token_id if token_id in p.stop_token_ids else None)
@@ -132,7 +133,7 @@ class Sequence:
             delta = self._catch_up(len(self.token_ids))
             if allowed_to_stop and delta and self._check_stop_strings(len(delta)):
                 return
-        if (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) or self.num_tokens >= max_model_len:
+        if (p.max_tokens is not None and num_output >= p.max_tokens) or len(self.token_ids) >= max_model_len:
             self._final_text(len(self.token_ids))
             self.finish("length")
 

@@ -69,7 +69,7 @@ def _host_batch(batch: ScheduledBatch, block_size: int) -> _HostBatch:
             h.slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, start + n))
         h.query_start.append(end)
         h.seq_lens.append(start + n)
-        if start + n == seq.num_tokens + len(drafts):
+        if start + n == len(seq.token_ids) + len(drafts):
             h.logits_indices.extend(range(end - 1 - len(drafts), end))
             h.sampling_seqs.append(seq)
     return h
