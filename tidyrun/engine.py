@@ -67,7 +67,8 @@ class LLM:
     level-1 sleeps (allocated once, reused; costs host memory the size of the
     weights while awake). On CUDA, decode steps run as CUDA graphs captured
     at start-up for ``cuda_graph_sizes`` (default 1, 2, 4, 8, 16, 32, ... up
-    to min(256, max_num_seqs)); ``enforce_eager=True`` turns them off.
+    to min(256, max_num_seqs, max_num_batched_tokens)); ``enforce_eager=True``
+    turns them off.
     ``kernels`` picks "triton" (the CUDA default) or the "torch" reference path.
     """
 

@@ -72,7 +72,7 @@ class Sequence:
         """Detokenize tokens up to index ``end``; returns the new text."""
         delta = ""
         if self._decoded < end:
-            delta = self._detok.push_many(self.token_ids[self._decoded:end])
+            delta = self._detok.push(self.token_ids[self._decoded:end])
             self._decoded = end
             self._text += delta
         return delta

@@ -74,12 +74,8 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
 
-    def push(self, token_id: int) -> str:
-        self._ids.append(int(token_id))
-        return self._emit(final=False)
-
-    def push_many(self, token_ids: Sequence[int]) -> str:
-        """The text of several tokens at once (one decode instead of one per token)."""
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text of one or more new tokens (several at once cost one decode, not one each)."""
         self._ids.extend(int(t) for t in token_ids)
         return self._emit(final=False)
 

@@ -40,7 +40,7 @@ class AttentionMetadata:
     tile_q0: torch.Tensor | None = None  # [tiles]
     block_q: int = 1
     block_m: int = 16
-    splits: int = 1  # programs sharing one decode tile's keys (see decode_splits)
+    splits: int = 1  # programs sharing one decode tile's keys (see tile_splits)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -60,11 +60,11 @@ def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
     return block_m // group, block_m
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 256) -> int:
-    """How many programs share each decode sequence's keys: enough (a power of two, at most 16)
-    that a small batch still runs about ``target_programs`` programs; 1 for large batches."""
+def tile_splits(num_seqs: int, num_kv_heads: int, block_q: int, target_programs: int = 256) -> int:
+    """How many programs share each tile's keys: for decode tiles (``block_q == 1``) enough (a power
+    of two, at most 16) that a small batch still runs about ``target_programs`` programs; otherwise 1."""
     splits = 1
-    while splits < 16 and num_seqs * num_kv_heads * splits < target_programs:
+    while block_q == 1 and splits < 16 and num_seqs * num_kv_heads * splits < target_programs:
         splits *= 2
     return splits
 

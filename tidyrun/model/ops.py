@@ -15,6 +15,14 @@ from ..attention import AttentionMetadata, paged_attention_reference, store_kv
 from .layers import apply_rope
 
 
+def split_heads(qkv: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views q [T, heads, D], k and v [T, kv_heads, D] of a fused QKV projection output."""
+    heads, kv_heads, head_dim = shape
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+
+
 class TorchOps:
     """Reference implementations in plain torch (any device)."""
 
@@ -39,13 +47,9 @@ class TorchOps:
     def rope_and_store(self, qkv: torch.Tensor, rope, shape: tuple[int, int, int], kv: tuple | None,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split ``qkv``, rotate q and k, write k/v to the cache (when ``kv`` is given); returns q, k, v."""
-        heads, kv_heads, head_dim = shape
-        tokens = qkv.shape[0]
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = split_heads(qkv, shape)
         cos, sin = rope
-        q = apply_rope(q.view(tokens, heads, head_dim), cos, sin)
-        k = apply_rope(k.view(tokens, kv_heads, head_dim), cos, sin)
-        v = v.view(tokens, kv_heads, head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
             store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         return q, k, v
@@ -79,15 +83,11 @@ class TritonOps(TorchOps):
 
     def rope_and_store(self, qkv: torch.Tensor, rope, shape: tuple[int, int, int], kv: tuple | None,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        heads, kv_heads, head_dim = shape
         cos, sin, positions = rope
-        self._fused.rope_and_store(qkv, cos, sin, positions, heads, kv_heads, head_dim,
-                                   meta.slot_mapping if kv is not None else None,
-                                   kv[0] if kv is not None else None, kv[1] if kv is not None else None)
-        tokens = qkv.shape[0]
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        return (q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim),
-                v.view(tokens, kv_heads, head_dim))
+        k_cache, v_cache = kv if kv is not None else (None, None)
+        self._fused.rope_and_store(qkv, cos, sin, positions, *shape, meta.slot_mapping if kv is not None else None,
+                                   k_cache, v_cache)  # in place: the split below sees rotated q and k
+        return split_heads(qkv, shape)
 
     def attention(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                   scale: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ import time
 import torch
 
 from ..attention import AttentionMetadata, ForwardContext
-from ..attention.metadata import decode_splits, tile_shape
+from ..attention.metadata import tile_shape, tile_splits
 from ..kv_cache import KVCache
 from ..resources import ResourceLedger
 from .input_batch import StepInputs
@@ -35,7 +35,7 @@ GraphKey = tuple[int, int]  # (sequences, query tokens per sequence)
 
 
 class _Graphs(dict):
-    """Captured graphs by batch size (a dict subclass, so the ledger can refer to it weakly)."""
+    """Captured graphs by (sequences, tokens per sequence) (a dict subclass, so the ledger can refer to it weakly)."""
 
 
 def default_capture_sizes(max_num_seqs: int, limit: int = 256) -> tuple[int, ...]:
@@ -90,7 +90,7 @@ class CudaGraphManager:
         return AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
                                  seq_lens=views["seq_lens"], block_tables=views["block_tables"], max_query_len=q,
                                  max_seq_len=0, tile_seq=tile_seq, tile_q0=tile_q0, block_q=block_q, block_m=block_m,
-                                 splits=decode_splits(size, self._inputs.num_kv_heads) if q == 1 else 1)
+                                 splits=tile_splits(size, self._inputs.num_kv_heads, block_q))
 
     @torch.inference_mode()
     def capture(self, model: torch.nn.Module, kv_cache: KVCache, ctx: ForwardContext, warm_up: bool = True) -> float:

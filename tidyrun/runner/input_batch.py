@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata
-from ..attention.metadata import decode_splits, list_tiles, tile_shape
+from ..attention.metadata import list_tiles, tile_shape, tile_splits
 from ..resources import ResourceLedger
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
@@ -127,14 +127,21 @@ class StepInputs:
         self._host = self.host_buf.numpy()
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
+    @staticmethod
+    def _graph_offsets(size: int, q: int) -> dict[str, int]:
+        """Where each input of the graph of ``size`` sequences x ``q`` tokens starts (block tables last)."""
+        t = size * q
+        return dict(input_ids=0, positions=t, slot_mapping=2 * t, query_start_loc=3 * t, seq_lens=3 * t + size + 1,
+                    block_tables=3 * t + 2 * size + 1)
+
     def graph_views(self, size: int, q: int) -> dict[str, torch.Tensor]:
         """Views of the device buffer that the CUDA graph of ``size`` sequences x ``q`` tokens reads."""
-        t, w = size * q, self.max_blocks
-        buf = self.device_buf
-        qs = 3 * t + size + 1
-        return dict(input_ids=buf[:t], positions=buf[t:2 * t], slot_mapping=buf[2 * t:3 * t],
-                    query_start_loc=buf[3 * t:qs], seq_lens=buf[qs:qs + size],
-                    block_tables=buf[qs + size:qs + size + size * w].view(size, w))
+        t, at, buf = size * q, self._graph_offsets(size, q), self.device_buf
+        lengths = dict(input_ids=t, positions=t, slot_mapping=t, query_start_loc=size + 1, seq_lens=size,
+                       block_tables=size * self.max_blocks)
+        views = {name: buf[at[name]:at[name] + n] for name, n in lengths.items()}
+        views["block_tables"] = views["block_tables"].view(size, self.max_blocks)
+        return views
 
     def _write(self, chunks: list[tuple[int, list[int]]], tables: tuple[int, int, list[list[int]]]) -> None:
         """Fill the staging buffer and send it in one copy. ``tables``: (offset, row width, rows);
@@ -169,16 +176,17 @@ class StepInputs:
                                  block_tables=v[8].view(seqs, width), max_query_len=max(h.query_lens),
                                  max_seq_len=max(h.seq_lens), tile_seq=v[6], tile_q0=v[7],
                                  block_q=block_q, block_m=block_m,
-                                 splits=decode_splits(seqs, self.num_kv_heads) if block_q == 1 else 1)
+                                 splits=tile_splits(seqs, self.num_kv_heads, block_q))
         return InputBatch(v[0], v[1], meta, v[3], h.sampling_seqs)
 
     def _build_graph_step(self, h: _HostBatch, size: int, q: int) -> InputBatch:
-        t, rows = size * q, len(h.input_ids)
-        pad, pad_seqs = t - rows, size - len(h.seq_lens)
-        qs = 3 * t + size + 1
-        self._write([(0, h.input_ids + [0] * pad), (t, h.positions + [0] * pad), (2 * t, h.slots + [-1] * pad),
-                     (3 * t, h.query_start + [rows] * pad_seqs), (qs, h.seq_lens + [0] * pad_seqs)],
-                    (qs + size, self.max_blocks, h.tables))
+        rows, at = len(h.input_ids), self._graph_offsets(size, q)
+        pad, pad_seqs = size * q - rows, size - len(h.seq_lens)
+        self._write([(at["input_ids"], h.input_ids + [0] * pad), (at["positions"], h.positions + [0] * pad),
+                     (at["slot_mapping"], h.slots + [-1] * pad),
+                     (at["query_start_loc"], h.query_start + [rows] * pad_seqs),
+                     (at["seq_lens"], h.seq_lens + [0] * pad_seqs)],
+                    (at["block_tables"], self.max_blocks, h.tables))
         views = self.graph_views(size, q)
         return InputBatch(views["input_ids"], views["positions"], None, None, h.sampling_seqs, graph=(size, q),
                           num_rows=rows)

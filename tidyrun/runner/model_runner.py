@@ -393,7 +393,6 @@ class ModelRunner:
     def _build_inputs(self, batch: ScheduledBatch, graphs: bool = True) -> InputBatch:
         if not isinstance(self.ops, TritonOps):
             return build_reference_batch(batch, self.block_size, self.device)
-        # A graph step is one sampled token per sequence: no prompt chunk, no drafts.
         return self.inputs.build(batch, self._graph_key(batch) if graphs and self.graphs is not None else None)
 
     def _graph_key(self, batch: ScheduledBatch) -> tuple[int, int] | None:
@@ -403,8 +402,8 @@ class ModelRunner:
             if n != 1 + len(seq.draft_tokens) or seq.num_computed_tokens + 1 != seq.num_tokens:
                 return None
             longest = max(longest, n)
-        q = 1 if longest == 1 else (self.config.speculative.num_speculative_tokens + 1 if self.config.speculative
-                                    else longest)
+        # Drafts exist only with speculation; their graphs have room for the configured number of drafts.
+        q = 1 if longest == 1 else self.config.speculative.num_speculative_tokens + 1
         return self.graphs.key_for(len(batch), q)
 
     def _forward(self, inputs: InputBatch) -> torch.Tensor:
@@ -488,12 +487,8 @@ class ModelRunner:
 
     def _release(self, owner: str) -> None:
         """Drop the runner's reference to the component that owns ``owner``'s tensors."""
-        if owner == "cuda_graphs":
-            if self.graphs is not None:
-                self.graphs.release()
-            self.graphs = None
-        elif owner in ("inputs", "inputs_host"):
-            self.inputs = None
+        if owner in ("cuda_graphs", "inputs", "inputs_host"):
+            self._drop_step_state()  # graphs before the buffers they read, whichever owner comes first
         elif owner == "kv_cache":
             self.kv_cache = None
         elif owner == "host_weights":
