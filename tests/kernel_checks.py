@@ -160,3 +160,33 @@ ATTENTION_CASES = (
     (32, 8, 64, 16, [1] * 5, [1, 2, 200, 31, 32]),  # Llama-1B shape
 )
 FUSED_SHAPES = ((1, 64, 4, 2, 16), (5, 96, 9, 3, 64), (17, 256, 4, 4, 32), (3, 128, 2, 2, 80))
+
+
+SKINNY_SHAPES = ((1, 48, 96), (3, 40, 600), (16, 64, 512), (5, 33, 1000))
+
+
+def check_skinny(device, dtype, shapes, configs, seed=0):
+    """skinny_linear (with and without bias, every config) and argmax_rows against torch."""
+    from tidyrun.kernels.skinny import SkinnyConfig, argmax_rows, skinny_linear
+
+    g = torch.Generator().manual_seed(seed)
+    to = dict(device=device, dtype=dtype)
+    rtol = 1e-4 if dtype == torch.float32 else 2e-2
+    for rows, n, k in shapes:
+        x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        for cfg in configs:
+            for bias in (None, b):
+                ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                out = skinny_linear(x.to(**to), w.to(**to), None if bias is None else bias.to(**to), SkinnyConfig(*cfg))
+                err = (out.double().cpu() - ref).abs().max().item()
+                assert out.dtype == dtype and err <= rtol * ref.abs().max().item(), f"skinny {rows}x{n}x{k} {cfg}: {err}"
+            gate_up = torch.randn(rows, 2 * k, generator=g).to(**to)
+            act = F.silu(gate_up[:, :k]) * gate_up[:, k:]  # rounded to dtype, like the activation kernel
+            ref = F.linear(act.double().cpu(), w.to(dtype).double())
+            out = skinny_linear(gate_up, w.to(**to), None, SkinnyConfig(*cfg), silu_mul=True)
+            err = (out.double().cpu() - ref).abs().max().item()
+            assert err <= rtol * ref.abs().max().item(), f"skinny silu_mul {rows}x{n}x{k} {cfg}: {err}"
+    x = torch.randn(3, 10000, generator=g)
+    x[1, 5000] = x[1, 9000] = 100.0  # a tie: the first index wins, as in torch.argmax
+    x[2] = 0.0
+    assert argmax_rows(x.to(**to), block=512).tolist() == [x[0].to(dtype).argmax().item(), 5000, 0], "argmax_rows"

@@ -20,6 +20,7 @@ kc.check_padding_rows("cpu", torch.float32)
 kc.check_padding_rows("cpu", torch.float32, splits=4)
 kc.check_fused("cpu", torch.float32, kc.FUSED_SHAPES)
 kc.check_attention("cpu", torch.float32, kc.ATTENTION_CASES, atol=1e-4)
+kc.check_skinny("cpu", torch.float32, kc.SKINNY_SHAPES, [(16, 64, 1, 2), (32, 128, 4, 2)])
 print("kernels ok")
 """
 
@@ -59,7 +60,7 @@ def run(**kw):
         return tokens, llm.compute_logits(shared * 2)  # one step longer than the token budget
 
 reference, logits = run()
-ModelRunner._choose_ops = lambda self, config: TritonOps()  # the CUDA path's kernels and input packing, on the CPU
+ModelRunner._choose_ops = lambda self, config: TritonOps(num_sms=4, skinny_float32=True)  # the CUDA path on the CPU
 tokens, triton_logits = run()
 assert tokens == reference, "Triton path differs from the torch path"
 assert (triton_logits - logits).abs().max() < 1e-3, "compute_logits differs"

@@ -22,15 +22,20 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with a weight laid out [out_features, in_features] like HF."""
+    """``y = x W^T (+ b)`` with a weight laid out [out_features, in_features] like HF.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    The product is ``ops.linear``: cuBLAS, or for a few rows on CUDA a kernel
+    sized to the machine (``tidyrun.kernels.skinny``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops, dtype: torch.dtype):
         super().__init__()
+        self._ops = ops
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._ops.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from ..attention import ForwardContext, causal_attention_dense
 from ..config import ModelConfig
@@ -29,8 +28,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, ops, dtype)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, ops, dtype)
         self._ctx = ctx
 
     def forward(self, x: torch.Tensor, rope, kv_cache: KVCache | None) -> torch.Tensor:
@@ -50,11 +49,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: TorchOps, dtype):
         super().__init__()
         self._ops = ops
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, ops, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._ops.silu_mul(self.gate_up_proj(x)))
+        return self._ops.silu_mul_linear(self.gate_up_proj(x), self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -96,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.ops = ops or TorchOps()
         self.model = LlamaModel(cfg, max_positions, ctx, self.ops, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, self.ops, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         """Final hidden states [T, hidden] for flat token ids [T] at ``positions``."""
@@ -108,9 +107,14 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.model.norm(h, residual)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model dtype: enough for an argmax, which float32 would not change."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight, None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits, what sampling and scoring work on."""
+        return self.logits(hidden).float()
 
     # -- weights -------------------------------------------------------------------------
 

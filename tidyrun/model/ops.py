@@ -28,6 +28,13 @@ class TorchOps:
 
     name = "torch"
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first largest index (int64 [rows])."""
+        return logits.argmax(dim=-1)
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
@@ -39,6 +46,10 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``silu_mul(gate_up) @ weight.T``: the MLP's down projection with its activation."""
+        return self.linear(self.silu_mul(gate_up), weight, None)
 
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
         """What each layer's ``rope_and_store`` needs: here, the gathered cos/sin rows."""
@@ -64,11 +75,38 @@ class TritonOps(TorchOps):
 
     name = "triton"
 
-    def __init__(self) -> None:
-        from ..kernels import attention, fused  # imported here: the CPU path never needs Triton
+    def __init__(self, num_sms: int, skinny_float32: bool = False) -> None:
+        from ..kernels import attention, fused, skinny  # imported here: the CPU path never needs Triton
 
         self._attn = attention
         self._fused = fused
+        self._skinny = skinny
+        self._num_sms = num_sms
+        self._skinny_float32 = skinny_float32  # float32 products stay on cuBLAS unless asked (interpreter tests)
+        self._tiles: dict[tuple[int, int], object] = {}  # (out, in) features -> SkinnyConfig or None (cuBLAS)
+
+    def _tile(self, x: torch.Tensor, weight: torch.Tensor):
+        """The skinny kernel's tile for this product, or None for cuBLAS (many rows, float32, wide outputs)."""
+        if (x.shape[0] > self._skinny.MAX_ROWS or (x.dtype == torch.float32 and not self._skinny_float32)
+                or x.stride(-1) != 1 or not weight.is_contiguous()):
+            return None
+        shape = tuple(weight.shape)
+        if shape not in self._tiles:
+            self._tiles[shape] = self._skinny.skinny_config(*shape, self._num_sms)
+        return self._tiles[shape]
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        tile = self._tile(x, weight)
+        return F.linear(x, weight, bias) if tile is None else self._skinny.skinny_linear(x, weight, bias, tile)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        tile = self._tile(gate_up, weight)
+        if tile is None:
+            return F.linear(self.silu_mul(gate_up), weight)
+        return self._skinny.skinny_linear(gate_up, weight, None, tile, silu_mul=True)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._skinny.argmax_rows(logits)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -139,7 +139,9 @@ class ModelRunner:
         kernels = config.kernels or ("triton" if self.device.type == "cuda" else "torch")
         if kernels == "triton" and self.device.type != "cuda":
             raise InvalidRequestError("kernels='triton' needs a CUDA device; the CPU runs kernels='torch'")
-        return TritonOps() if kernels == "triton" else TorchOps()
+        if kernels == "torch":
+            return TorchOps()
+        return TritonOps(torch.cuda.get_device_properties(self.device).multi_processor_count)
 
     def _graph_summary(self) -> str:
         if self.graphs is None:
@@ -425,20 +427,25 @@ class ModelRunner:
             hidden = self._forward(inputs)[inputs.logits_indices]
         if not inputs.sampling_seqs:
             return []
-        logits = self.model.compute_logits(hidden)
         seqs = inputs.sampling_seqs
-        if not any(s.draft_tokens for s in seqs):
-            self._ban_stop_tokens_below_min(logits, seqs)
-            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            return [(s, [t]) for s, t in zip(seqs, tokens.tolist())]
+        drafts = any(s.draft_tokens for s in seqs)
         if all(s.params.greedy for s in seqs):  # one argmax and one copy to the host for the whole batch
+            logits = self.model.logits(hidden)
+            if not drafts:
+                self._ban_stop_tokens_below_min(logits, seqs)
+                return [(s, [t]) for s, t in zip(seqs, self.ops.argmax(logits).tolist())]
             starts = list(itertools.accumulate((1 + len(s.draft_tokens) for s in seqs), initial=0))
             for seq, row in zip(seqs, starts):
                 if not seq.draft_tokens:
                     self._ban_stop_tokens_below_min(logits[row:row + 1], [seq])
-            targets = logits.argmax(dim=-1).tolist()
+            targets = self.ops.argmax(logits).tolist()
             return [(s, accept_greedy(s.draft_tokens, targets[row:row + 1 + len(s.draft_tokens)]))
                     for s, row in zip(seqs, starts)]
+        logits = self.model.compute_logits(hidden)
+        if not drafts:
+            self._ban_stop_tokens_below_min(logits, seqs)
+            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return [(s, [t]) for s, t in zip(seqs, tokens.tolist())]
         out, row = [], 0
         for seq in seqs:  # drafts are never scheduled below min_tokens, so no stop-token ban is needed here
             rows = 1 + len(seq.draft_tokens)
