@@ -33,7 +33,7 @@ class SkinnyConfig(NamedTuple):
 
 @triton.jit
 def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, K_PER_SPLIT: tl.constexpr,
-                          SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -43,13 +43,8 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, K_PER
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):  # a compile-time trip count: one variant per layer shape
         rk = k_lo + k0 + tl.arange(0, BLOCK_K)
-        x_mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=x_mask, other=0.0)
-        if SILU_MUL:  # x holds [gate | up]: the activation, rounded where fused.silu_mul rounds
-            up = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            gate = x.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                    other=0.0)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K),
                     other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
@@ -76,12 +71,11 @@ def _sum_splits_kernel(part_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, S
     tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig,
-                  silu_mul: bool = False) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M <= 16, K] (last dim contiguous) and a contiguous weight [N, K].
 
-    With ``silu_mul``, x is a gate/up projection [M, 2K] and the product is
-    ``(silu(gate) * up) @ weight.T``, with no activation tensor in between.
+    (Fusing the MLP's SiLU-mul into this kernel's loads was tried: 2-5x slower
+    than the two kernels on the H200, so the activation stays separate.)
     """
     rows = x.shape[0]
     n, k = weight.shape
@@ -93,7 +87,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dest = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), split)
     _skinny_matmul_kernel[grid](x, weight, bias if bias is not None else weight, dest, rows, n, k, x.stride(0),
-                                K_PER_SPLIT=k_per_split, SILU_MUL=silu_mul, HAS_BIAS=bias is not None and split == 1, BLOCK_M=MAX_ROWS,
+                                K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None and split == 1, BLOCK_M=MAX_ROWS,
                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, num_warps=4,
                                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                                 num_stages=cfg.stages)
@@ -110,14 +104,16 @@ def skinny_config(n: int, k: int, num_sms: int) -> SkinnyConfig | None:
     Measured on the H200 with weights not in L2 (docs/BENCHMARKS.md): cuBLAS
     streams wide projections (gate/up, QKV, the LM head) at 3.3-4.2 TB/s, but
     for outputs no wider than the reduction (o_proj, down_proj) it launches too
-    few programs or a split with a separate reduce: 1.2B down_proj 14.0 us vs
-    12.1 here, 8B o_proj 13.2 vs 10.8. Those shapes get 32-wide output tiles and
-    a reduction split until the SMs have a program each.
+    few programs or splits with a separate reduce. Per product at one row,
+    cuBLAS vs this tile: 8B o_proj 13.7 vs 10.8 us, 8B down_proj 32.1 vs 29.9,
+    1.2B down_proj 13.7 vs 13.0, 1.2B o_proj 6.0 vs 5.9. Those shapes get
+    32-wide output tiles; a reduction at least twice the outputs is split until
+    about half the SMs have two programs.
     """
     if n > 4096 or k < n:
         return None
     programs, split = triton.cdiv(n, 32), 1
-    while programs * split * 2 <= num_sms and k // (split * 2) >= 1024:
+    while k >= 2 * n and programs * split * 2 <= num_sms and k // (split * 2) >= 1024:
         split *= 2
     return SkinnyConfig(block_n=32, block_k=512 if split == 1 else 256, split_k=split, stages=4)
 

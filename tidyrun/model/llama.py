@@ -53,7 +53,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.silu_mul_linear(self.gate_up_proj(x), self.down_proj.weight)
+        return self.down_proj(self._ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

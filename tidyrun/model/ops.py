@@ -47,10 +47,6 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``silu_mul(gate_up) @ weight.T``: the MLP's down projection with its activation."""
-        return self.linear(self.silu_mul(gate_up), weight, None)
-
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
         """What each layer's ``rope_and_store`` needs: here, the gathered cos/sin rows."""
         return rotary(positions, dtype)
@@ -99,11 +95,6 @@ class TritonOps(TorchOps):
         tile = self._tile(x, weight)
         return F.linear(x, weight, bias) if tile is None else self._skinny.skinny_linear(x, weight, bias, tile)
 
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        tile = self._tile(gate_up, weight)
-        if tile is None:
-            return F.linear(self.silu_mul(gate_up), weight)
-        return self._skinny.skinny_linear(gate_up, weight, None, tile, silu_mul=True)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._skinny.argmax_rows(logits)
