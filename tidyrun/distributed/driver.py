@@ -25,6 +25,7 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..errors import InvalidRequestError, ModelLoadError, ResourceLeakError, WorkerError
 from ..loader import ModelSource
+from ..resources import drop_traceback_locals
 from ..runner.device import resolve_device
 from ..runner.input_batch import HostBatch
 from ..runner.model_runner import ModelRunner, ShutdownReport, _name_tensor_pairs
@@ -93,7 +94,13 @@ class TPDriverRunner(ModelRunner):
         return error
 
     def _fail(self, exc: BaseException) -> WorkerError:
-        """The error to raise for ``exc``, after stopping every rank (the worker's fault if one failed)."""
+        """The error to raise for ``exc``, after stopping every rank (the worker's fault if one failed).
+
+        ``exc`` stays its cause; the locals of its finished frames (the KV
+        cache, activations) are cleared so that holding the error keeps no
+        device memory alive.
+        """
+        drop_traceback_locals(exc)
         if isinstance(exc, WorkerError):
             return self._stop_group(exc)
         cause = self.pool.failure()

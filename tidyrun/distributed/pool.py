@@ -157,7 +157,7 @@ class WorkerPool:
         reports = []
         for w in self.workers:
             report = None
-            if self.started and w.process.exitcode is None:
+            if self.started:  # a worker that already exited may have left its report in the pipe
                 try:
                     msg = self._recv(w, EXIT_TIMEOUT_S)
                     report = msg[1] if msg[0] == "ok" else None
