@@ -182,3 +182,50 @@ def test_bad_tensor_parallel_size(default_model, size, match):
     with pytest.raises(InvalidRequestError, match=match):
         LLM(default_model, device="cpu", tensor_parallel_size=size)
     assert multiprocessing.active_children() == before  # refused before any worker started
+
+
+def test_worker_start_failure_is_reported_by_the_driver(uneven_dir, monkeypatch):
+    """A worker that cannot start (here: a device that does not exist) fails the engine's start with its reason."""
+    from tidyrun.distributed import driver
+
+    monkeypatch.setattr(driver, "_rank_device", lambda device, rank: "cuda:7")
+    before = multiprocessing.active_children()
+    with pytest.raises(WorkerError, match="worker rank 1 failed to start"):
+        LLM(uneven_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
+    assert multiprocessing.active_children() == before
+
+
+_ORPHAN_SCRIPT = """
+import os, signal, sys
+from tidyrun import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)
+    print(llm.runner.pool.workers[0].process.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the driver dies without any cleanup
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited (its reaper may be slow)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_workers_exit_when_the_driver_dies(uneven_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(script), uneven_dir], capture_output=True, text=True, timeout=300,
+                          env=env)
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(pid)

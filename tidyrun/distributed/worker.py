@@ -72,12 +72,12 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     from ..runner.model_runner import ModelRunner
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the driver decides
-    device = torch.device(spec.config.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's own default device: it serves one rank only
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))  # share the cores with the other ranks
     try:
+        device = torch.device(spec.config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this process's own default device: it serves one rank only
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))  # share the cores with the other ranks
         source = open_model_source(spec.config.model)
         group = TPGroup(spec.rank, spec.world, device, spec.timeout_s, spec.address)
         tp = TPRank(TPShard.of(source.config, spec.rank, spec.world), group,
