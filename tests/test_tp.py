@@ -6,6 +6,8 @@ import gc
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 import weakref
 
@@ -13,9 +15,8 @@ import pytest
 import torch
 
 from conftest import QUESTIONS
-from tidyrun import LLM, InvalidRequestError, SamplingParams
+from tidyrun import LLM, InvalidRequestError, SamplingParams, WorkerDiedError, WorkerError
 from tidyrun.distributed.sharding import TPShard, split_range
-from tidyrun.errors import WorkerDiedError, WorkerError
 from tidyrun.synthetic import write_random_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -215,9 +216,6 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
 def test_workers_exit_when_the_driver_dies(uneven_dir, tmp_path):
-    import subprocess
-    import sys
-
     script = tmp_path / "driver.py"
     script.write_text(_ORPHAN_SCRIPT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(

@@ -77,8 +77,9 @@ class LLM:
     turns them off.
     ``kernels`` picks "triton" (the CUDA default) or the "torch" reference path.
     ``tensor_parallel_size=N`` splits the model over N ranks: this process
-    is rank 0 and starts N - 1 worker processes (one per further GPU on
-    CUDA, gloo on the CPU); ``shutdown()`` stops them and reports each rank.
+    is rank 0 and spawns N - 1 worker processes (one per further GPU on
+    CUDA, gloo on the CPU; a script needs ``if __name__ == "__main__"``);
+    ``shutdown()`` stops them and reports each rank.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,

@@ -107,11 +107,14 @@ class TPDriverRunner(ModelRunner):
         return self._stop_group(cause or WorkerError(
             f"a tensor-parallel step failed on the driver ({type(exc).__name__}: {exc}); the ranks are out of step"))
 
-    def check_awake(self) -> None:
+    def _check_usable(self) -> None:
         self._check_alive()
         if self._failure is not None:
             raise WorkerError(f"this tensor-parallel engine has stopped ({self._failure}); "
                               "shut it down and create a new one")
+
+    def check_awake(self) -> None:
+        self._check_usable()
         try:
             self.pool.check()
         except WorkerError as exc:
@@ -148,12 +151,6 @@ class TPDriverRunner(ModelRunner):
             return self.pool.replies()
         except WorkerError as exc:
             raise self._stop_group(exc) from None
-
-    def _check_usable(self) -> None:
-        self._check_alive()
-        if self._failure is not None:
-            raise WorkerError(f"this tensor-parallel engine has stopped ({self._failure}); "
-                              "shut it down and create a new one")
 
     # -- steps -----------------------------------------------------------------------
 
