@@ -164,7 +164,8 @@ class TPDriverRunner(ModelRunner):
         except BaseException as exc:
             raise self._fail(exc) from exc
 
-    def embed(self, token_lists, pooling, normalized, max_batch_tokens):
+    def embed(self, token_lists: list[list[int]], pooling: str, normalized: bool,
+              max_batch_tokens: int) -> torch.Tensor:
         raise InvalidRequestError("embed() and score() (pooling) are not supported with tensor_parallel_size > 1")
 
     # -- sleep / wake / weights ------------------------------------------------------
