@@ -47,6 +47,15 @@ def _error(exc: BaseException) -> tuple[str, str, str]:
     return ("error", type(exc).__name__, str(exc))
 
 
+def _reply(conn: Connection, msg: tuple) -> bool:
+    """Send ``msg`` to the driver; False if the driver is gone (then there is nobody left to serve)."""
+    try:
+        conn.send(msg)
+    except OSError:
+        return False
+    return True
+
+
 def _next_command(conn: Connection, parent_pid: int) -> tuple | None:
     """The driver's next command, or None once the driver is gone."""
     while not conn.poll(_PARENT_CHECK_S):
@@ -84,7 +93,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
                     lambda n: _agree(conn, spec.parent_pid, n))
         runner = ModelRunner(source, spec.config, spec.eos_token_ids, spec.keep_host_buffers, tp)
     except BaseException as exc:  # the runner released what it took; report why and end
-        conn.send(_error(exc))
+        _reply(conn, _error(exc))
         return
     try:
         _serve(runner, conn, spec.parent_pid)
@@ -97,17 +106,16 @@ def _serve(runner, conn: Connection, parent_pid: int) -> None:
     while (msg := _next_command(conn, parent_pid)) is not None:
         op, args = msg[0], msg[1:]
         if op == "shutdown":
-            conn.send(("ok", runner.shutdown()))
+            _reply(conn, ("ok", runner.shutdown()))
             return
         try:
             value = _run(runner, op, args)
         except BaseException as exc:
-            conn.send(_error(exc))
-            if op in ("step", "update_weights"):
-                return  # the ranks are out of step: end, so the driver's collective fails at once
+            if not _reply(conn, _error(exc)) or op in ("step", "update_weights"):
+                return  # the ranks are out of step (or the driver is gone): end, so no collective waits on us
             continue
-        if op != "step":
-            conn.send(("ok", value))
+        if op != "step" and not _reply(conn, ("ok", value)):
+            return
 
 
 def _run(runner, op: str, args: tuple):
