@@ -185,6 +185,16 @@ def test_bad_tensor_parallel_size(default_model, size, match):
     assert multiprocessing.active_children() == before  # refused before any worker started
 
 
+def test_tensor_parallel_size_must_fit_the_gpus():
+    from tidyrun.config import ModelConfig
+    from tidyrun.distributed.driver import check_tensor_parallel_size
+
+    cfg = ModelConfig("llama", 1000, 64, 128, 2, 8, 8, 8, 1e-5, 1e4, 512, False)
+    check_tensor_parallel_size(8, cfg, torch.device("cpu"))
+    with pytest.raises(InvalidRequestError, match="one per rank"):
+        check_tensor_parallel_size(torch.cuda.device_count() + 1, cfg, torch.device("cuda", 0))
+
+
 def test_worker_start_failure_is_reported_by_the_driver(uneven_dir, monkeypatch):
     """A worker that cannot start (here: a device that does not exist) fails the engine's start with its reason."""
     from tidyrun.distributed import driver
