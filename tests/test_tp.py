@@ -139,6 +139,16 @@ def test_shutdown_leaves_no_process_and_no_group(uneven_dir):
     assert all(ref() is None for ref in groups + stores)
 
 
+def test_a_group_kept_alive_is_reported_by_shutdown(uneven_dir):
+    """The process group is in the ledger: a reference that outlives shutdown is named like a leaked tensor."""
+    llm = LLM(uneven_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
+    held = llm.runner.tp_group.pg
+    with pytest.warns(ResourceWarning, match="ProcessGroupGloo"):
+        report = llm.shutdown()
+    assert [s.description for s in report.survivors] == [type(held).__name__]
+    assert report.ranks[1].clean  # the worker's group is gone
+
+
 def test_killed_worker_is_a_clear_error_and_leaves_no_orphan(uneven_dir):
     llm = LLM(uneven_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
     params = SamplingParams(temperature=0, max_tokens=4)

@@ -14,9 +14,11 @@ buffer addresses, so they are captured again on every wake.
 
 As one rank of a tensor-parallel engine (``tp``), the runner holds only its
 slice of the weights and KV heads and owns the rank's ``TPGroup`` (its
-communicators): shutdown destroys the group after every tensor is released,
-CUDA graphs first. The same code runs the driver (rank 0, which samples) and
-the workers (forward only, see ``forward_logits``).
+communicators, ledger owner ``process_group``): shutdown destroys the group
+after the CUDA graphs and the KV cache (acquired later, released earlier) and
+then verifies, like every tensor, that the group object is dead. The same
+code runs the driver (rank 0, which samples) and the workers (forward only,
+see ``forward_logits``).
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ class ModelRunner:
             self.num_kv_blocks = self._num_kv_blocks(config)
             if self.tp_group is not None:
                 self.tp_group.connect()
+                # Tracked (as an object, its communicator memory unmeasured) so shutdown proves it is gone.
+                self.ledger.track("process_group", f"tp_group.rank{self.shard.rank}", self.tp_group.pg, nbytes=0,
+                                  device=str(self.device))
             self._allocate_kv_cache()
             synchronize(self.device)
             t2 = time.perf_counter()
@@ -531,6 +536,8 @@ class ModelRunner:
         elif owner in ("weights", "rope"):
             self.model = None  # the RoPE table is a buffer of the model
             self.arena = None
+        elif owner == "process_group":
+            self.tp_group.destroy()  # acquired after the weights, before the KV cache and any CUDA graph
 
     def rank_reports(self) -> list[ShutdownReport]:
         """The shutdown report of every tensor-parallel rank this runner drives: here just its own."""
@@ -554,7 +561,7 @@ class ModelRunner:
         released = self.ledger.bytes_by_owner()
         for owner in self.ledger.owners_for_release():
             self._release(owner)
-        if self.tp_group is not None:  # after every tensor a collective could still touch (graphs first)
+        if self.tp_group is not None:  # a group that never connected still holds its store
             self.tp_group.destroy()
         gc.collect()
         free_device_caches(self.device)
