@@ -84,8 +84,11 @@ class WorkerPool:
 
     def _died(self, w: _Worker) -> WorkerDiedError:
         w.process.join(1.0)
+        hint = "" if self.started else (
+            " during start-up (its traceback is above; a script that builds a tensor-parallel LLM needs "
+            "`if __name__ == \"__main__\":`, since workers are spawned and import the main module)")
         return WorkerDiedError(f"tensor-parallel worker rank {w.rank} (pid {w.process.pid}) "
-                               f"{_exit_description(w.process.exitcode)}{self._reported_error(w)}")
+                               f"{_exit_description(w.process.exitcode)}{self._reported_error(w)}{hint}")
 
     def check(self) -> None:
         """Raise WorkerDiedError if a worker process has exited."""
