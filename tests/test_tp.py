@@ -131,7 +131,9 @@ def test_shutdown_leaves_no_process_and_no_group(uneven_dir):
     groups = [weakref.ref(llm.runner.tp_group.pg) for llm in engines]
     stores = [weakref.ref(llm.runner.tp_group.store) for llm in engines]
     for llm in engines:
+        watcher = llm.runner.pool._watcher
         report = llm.shutdown(strict=True)
+        assert not watcher.is_alive()
         assert len(report.ranks) == 2 and report.clean
         assert all(r.released_bytes.get("weights", 0) > 0 for r in report.ranks), [str(r) for r in report.ranks]
     gc.collect()
@@ -149,12 +151,20 @@ def test_a_group_kept_alive_is_reported_by_shutdown(uneven_dir):
     assert report.ranks[1].clean  # the worker's group is gone
 
 
-def test_killed_worker_is_a_clear_error_and_leaves_no_orphan(uneven_dir):
+def test_killed_worker_is_a_clear_error_and_leaves_no_orphan(uneven_dir, monkeypatch):
+    from tidyrun.distributed.group import TPGroup
+
+    aborted = []  # the pool's watcher aborts the group's collectives (a no-op on gloo) the moment a worker dies
+    monkeypatch.setattr(TPGroup, "abort", lambda group: aborted.append(group.rank))
     llm = LLM(uneven_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
     params = SamplingParams(temperature=0, max_tokens=4)
     greedy(llm, [[1, 2, 3]], params)
     (pid,) = worker_pids(llm)
     os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted == [0]
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
         greedy(llm, [[1, 2, 3]], params)

@@ -26,7 +26,7 @@ from ..config import EngineConfig, ModelConfig
 from ..errors import InvalidRequestError, ModelLoadError, ResourceLeakError, WorkerError
 from ..loader import ModelSource
 from ..resources import drop_traceback_locals
-from ..runner.device import resolve_device
+from ..runner.device import resolve_device, synchronize
 from ..runner.input_batch import HostBatch
 from ..runner.model_runner import ModelRunner, ShutdownReport, _name_tensor_pairs
 from .group import TPGroup
@@ -82,6 +82,7 @@ class TPDriverRunner(ModelRunner):
             raise
         tp = TPRank(TPShard.of(source.config, 0, world), group, self.pool.agree_num_blocks)
         super().__init__(source, config, eos_token_ids, keep_host_buffers, tp)
+        self.pool.watch(self.tp_group.abort)
 
     # -- failures --------------------------------------------------------------------
 
@@ -160,9 +161,12 @@ class TPDriverRunner(ModelRunner):
         self.check_awake()
         self._send(("step", host, all_rows))
         try:
-            return super().forward_logits(host, graph, all_rows)
+            logits = super().forward_logits(host, graph, all_rows)
+            synchronize(self.device)  # a collective aborted mid-step leaves garbage: a death during it fails it
+            self.pool.check()
         except BaseException as exc:
             raise self._fail(exc) from exc
+        return logits
 
     def embed(self, token_lists: list[list[int]], pooling: str, normalized: bool,
               max_batch_tokens: int) -> torch.Tensor:
@@ -224,7 +228,7 @@ class TPDriverRunner(ModelRunner):
             return self.shutdown_report
         if self._failure is None and self.pool.started:
             try:
-                self.pool.send(("shutdown",))
+                self.pool.request_shutdown()
             except WorkerError as exc:
                 self._failure = str(exc)
         try:

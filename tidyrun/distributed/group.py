@@ -97,6 +97,17 @@ class TPGroup:
             return None
         return torch.cat([o[..., :n] for o, n in zip(out[0], sizes)], dim=-1)
 
+    def abort(self) -> None:
+        """Fail the collectives in flight now (a peer died; called from the pool's watcher thread).
+
+        NCCL waits on a dead peer until its timeout, so its communicators are
+        aborted. Gloo needs nothing: a peer's closed connection already fails
+        its collectives, and its ``abort`` would not interrupt a waiting one.
+        """
+        pg = self.pg
+        if pg is not None and self.backend == "nccl":
+            pg.abort()
+
     def destroy(self) -> None:
         """Shut the group down and drop it and the store; idempotent, never raises (it runs in shutdown paths)."""
         pg, self.pg = self.pg, None

@@ -4,14 +4,19 @@ Every wait on a worker is a wait on two things at once, its pipe and its
 process sentinel (``multiprocessing.connection.wait``), with a timeout: a
 worker that crashes or is killed turns into ``WorkerDiedError`` naming its
 rank, pid and exit code (and the error it reported, if it had time to), never
-into a hang. Teardown always ends with every process joined: asked to shut
-down, then terminated, then killed.
+into a hang. A watcher thread also notices a death the moment it happens, for
+collectives that would not (NCCL waits on a dead peer until its timeout).
+Teardown always ends with every process joined: asked to shut down, then
+terminated, then killed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
@@ -24,6 +29,8 @@ from .worker import WorkerSpec, run_worker
 START_TIMEOUT_S = 600.0  # a worker opening the model and loading its slice
 REPLY_TIMEOUT_S = 600.0  # sleep / wake_up (may re-read the weights) / update_weights
 EXIT_TIMEOUT_S = 30.0  # each phase of a shutdown: report, join, terminate
+
+logger = logging.getLogger("tidyrun")
 
 
 @dataclass
@@ -55,6 +62,8 @@ class WorkerPool:
         ctx = mp.get_context("spawn")
         self.workers: list[_Worker] = []
         self.started = False
+        self._watcher: threading.Thread | None = None
+        self._wake: Connection | None = None
         try:
             for rank, config in zip(range(1, world), configs):
                 parent, child = ctx.Pipe()
@@ -152,7 +161,45 @@ class WorkerPool:
         self.started = True
         return agreed
 
+    def watch(self, on_death: Callable[[], None]) -> None:
+        """From now on, call ``on_death()`` from a background thread as soon as a worker exits unexpectedly.
+
+        The driver passes its group's ``abort``: a collective waiting on a
+        dead peer then fails at once instead of at its timeout. Exits the
+        pool causes itself (``request_shutdown``, ``kill``) stop the watch first.
+        """
+        wake_r, self._wake = mp.get_context("spawn").Pipe(duplex=False)
+        sentinels = [w.process.sentinel for w in self.workers]
+
+        def run() -> None:
+            if wake_r not in wait([*sentinels, wake_r]):
+                logger.error("a tensor-parallel worker exited; aborting the group's collectives")
+                try:
+                    on_death()
+                except Exception:  # the step that fails next reports the death; this thread must just end
+                    logger.exception("aborting the tensor-parallel group failed")
+            wake_r.close()
+
+        self._watcher = threading.Thread(target=run, name="tidyrun-tp-watch", daemon=True)
+        self._watcher.start()
+
+    def _unwatch(self) -> None:
+        if self._watcher is None:
+            return
+        try:
+            self._wake.send(None)
+        except OSError:  # the watcher already saw a death, ended and closed its end
+            pass
+        self._watcher.join()
+        self._wake.close()
+        self._watcher = self._wake = None
+
     # -- teardown --------------------------------------------------------------------
+
+    def request_shutdown(self) -> None:
+        """Ask every worker to shut down (each replies with its report, collected by ``close``)."""
+        self._unwatch()
+        self.send(("shutdown",))
 
     def close(self) -> list:
         """After ``send(("shutdown",))``: collect each worker's reply (its shutdown report, or None for a
@@ -172,6 +219,7 @@ class WorkerPool:
 
     def kill(self, join_s: float = 0.0) -> None:
         """Join every worker (waiting up to ``join_s`` for a clean exit), terminating, then killing, stragglers."""
+        self._unwatch()
         for w in self.workers:
             w.process.join(join_s)
         for w in self.workers:
