@@ -61,10 +61,11 @@ def make_llm(ckpt: str, args: argparse.Namespace, mode: str, **kwargs):
     return LLM(ckpt, device=args.device, dtype=args.dtype, **kwargs)
 
 
-def tidyrun_throughput(ckpt: str, args: argparse.Namespace, mode: str, work: Workload, warm: Workload) -> dict:
+def tidyrun_throughput(ckpt: str, args: argparse.Namespace, mode: str, work: Workload, warm: Workload,
+                       **engine_kwargs) -> dict:
     from tidyrun import SamplingParams
 
-    llm = make_llm(ckpt, args, mode)
+    llm = make_llm(ckpt, args, mode, **engine_kwargs)
     try:
         llm.generate([{"prompt_token_ids": p} for p in warm[0]],
                      SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)

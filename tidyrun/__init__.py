@@ -2,12 +2,13 @@
 
 from .engine import LLM
 from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
-                     PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError)
+                     PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError, WorkerDiedError,
+                     WorkerError)
 from .outputs import CompletionOutput, RequestOutput
 from .sampling import SamplingParams
 
 __all__ = (
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TidyrunError", "ModelLoadError",
     "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
-    "EngineShutdownError", "ResourceLeakError")
+    "EngineShutdownError", "ResourceLeakError", "WorkerError", "WorkerDiedError")
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: the accelerator if present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over (default 1)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,8 @@ def _params(args):
 def _build(args):
     from .engine import LLM
 
-    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def cmd_generate(args) -> int:
@@ -86,7 +88,8 @@ def _audit_tidyrun(args, device) -> Iterator[tuple[str, object]]:
     from .sampling import SamplingParams
 
     snap = snapshot()
-    with LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len) as llm:
+    with LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+             tensor_parallel_size=args.tensor_parallel_size) as llm:
         yield "created", llm.ledger_report()
         llm.generate([args.prompt] * 4, SamplingParams(max_tokens=args.max_tokens), use_tqdm=False)
         yield "generated", None

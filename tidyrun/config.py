@@ -160,9 +160,16 @@ class EngineConfig:
     kernels: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # Ranks the model is split over (one process each; rank 0 is this process). Checked against the model
+    # (at most one rank per KV head) and the devices when the engine starts.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         from .errors import InvalidRequestError
+
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise InvalidRequestError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
 
         if self.kernels not in (None, "torch", "triton"):
             raise InvalidRequestError(f"kernels must be 'torch', 'triton' or None, got {self.kernels!r}")

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .config import CacheConfig, EngineConfig, SpeculativeConfig
+from .distributed.driver import TPDriverRunner
 from .errors import EngineShutdownError, InvalidRequestError, PromptTooLongError
 from .kv_cache import BlockPool
 from .loader import open_model_source
@@ -47,10 +48,15 @@ class _Request:
 
 @dataclass
 class EngineShutdownReport(ShutdownReport):
-    """The runner's shutdown report plus the requests that were aborted by it."""
+    """The runner's shutdown report plus the requests that were aborted by it, and every rank's own report."""
 
     aborted: list[RequestOutput] = field(default_factory=list)  # in-flight requests it aborted
     unclaimed: list[RequestOutput] = field(default_factory=list)  # finished outputs nobody had collected
+    ranks: list[ShutdownReport] = field(default_factory=list)  # by tensor-parallel rank; [0] is this process
+
+    @property
+    def clean(self) -> bool:
+        return not self.survivors and all(r.clean for r in self.ranks)
 
 
 def _shutdown_at_exit(runner: ModelRunner) -> None:
@@ -70,6 +76,10 @@ class LLM:
     to min(256, max_num_seqs, max_num_batched_tokens)); ``enforce_eager=True``
     turns them off.
     ``kernels`` picks "triton" (the CUDA default) or the "torch" reference path.
+    ``tensor_parallel_size=N`` splits the model over N ranks: this process
+    is rank 0 and spawns N - 1 worker processes (one per further GPU on
+    CUDA, gloo on the CPU; a script needs ``if __name__ == "__main__"``);
+    ``shutdown()`` stops them and reports each rank.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,
@@ -78,7 +88,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, seed: int = 0, keep_host_buffers: bool = True,
                  enable_prefix_caching: bool = True, speculative: dict | SpeculativeConfig | None = None,
                  enforce_eager: bool = False, cuda_graph_sizes: list[int] | None = None, kernels: str | None = None,
-                 config: EngineConfig | None = None) -> None:
+                 tensor_parallel_size: int = 1, config: EngineConfig | None = None) -> None:
         self._closed = True  # until construction succeeds; makes shutdown() safe on a failed start
         self.runner: ModelRunner | None = None
         if config is None:
@@ -87,7 +97,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
                 speculative=SpeculativeConfig.from_value(speculative), enforce_eager=enforce_eager,
-                cuda_graph_sizes=cuda_graph_sizes, kernels=kernels,
+                cuda_graph_sizes=cuda_graph_sizes, kernels=kernels, tensor_parallel_size=tensor_parallel_size,
                 cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_bytes=kv_cache_memory,
                                   gpu_memory_utilization=gpu_memory_utilization),
             )
@@ -96,7 +106,8 @@ class LLM:
         self.source = open_model_source(config.model)
         self.tokenizer = self.source.load_tokenizer()
         try:
-            self.runner = ModelRunner(self.source, config, self.tokenizer.eos_token_ids, keep_host_buffers)
+            runner_class = ModelRunner if config.tensor_parallel_size == 1 else TPDriverRunner
+            self.runner = runner_class(self.source, config, self.tokenizer.eos_token_ids, keep_host_buffers)
         except BaseException as exc:
             drop_traceback_locals(exc)  # the runner already released what it took
             raise
@@ -514,7 +525,7 @@ class LLM:
             # Kept even when strict shutdown raises, so a later call reports the same survivors.
             report = runner.shutdown_report or ShutdownReport()
             self._report = EngineShutdownReport(report.released_bytes, report.survivors, report.seconds,
-                                                aborted, unclaimed)
+                                                aborted, unclaimed, runner.rank_reports())
             del runner, report
         return self._report
 

@@ -40,3 +40,11 @@ class EngineSleepingError(TidyrunError, RuntimeError):
 
 class ResourceLeakError(TidyrunError, RuntimeError):
     """``shutdown(strict=True)`` found device tensors that outlived the runner."""
+
+
+class WorkerError(TidyrunError, RuntimeError):
+    """A tensor-parallel worker failed (at start-up or while running); the engine cannot run steps any more."""
+
+
+class WorkerDiedError(WorkerError):
+    """A tensor-parallel worker process exited (crashed or was killed) while the engine needed it."""

@@ -39,12 +39,26 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype):
+    """Token embeddings: the whole vocabulary, or (tensor parallel) rows [start, start + num_embeddings).
+
+    A vocabulary-parallel shard looks up zeros for ids outside its rows and
+    the ranks' partial results are summed (``tp.all_reduce``), so every rank
+    ends with the full embeddings.
+    """
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, start: int = 0, tp=None):
         super().__init__()
         self.weight = _param(num_embeddings, dim, dtype=dtype)
+        self.start = start
+        self._tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self._tp is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self._tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class RMSNorm(nn.Module):

@@ -3,33 +3,72 @@
 Q/K/V and gate/up projections are fused into one matrix each (fewer, larger
 matmuls); ``load_weights`` maps the HF checkpoint names onto those shards and
 refuses names or shapes it does not know.
+
+With tensor parallelism (a ``TPShard`` of ``world > 1`` and its ``TPGroup``)
+each rank builds only its slice: QKV column-parallel by KV head, o_proj and
+down_proj row-parallel (followed by an all-reduce), gate/up column-parallel by
+intermediate channel, embedding and LM head vocabulary-parallel (logits are
+gathered on rank 0 only). Checkpoint tensors stay full-sized; each rank copies
+its slice of them. With ``world == 1`` no collective runs and every slice is
+the whole tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..attention import ForwardContext, causal_attention_dense
 from ..config import ModelConfig
+from ..distributed.sharding import TPShard, split_range
 from ..errors import ModelLoadError
 from ..kv_cache import KVCache
 from .layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from .ops import TorchOps
 
 
+@dataclass(frozen=True)
+class WeightShard:
+    """Where one checkpoint tensor (or its tensor-parallel slice) goes.
+
+    The checkpoint tensor has the full ``shape``; its slice ``[start, start +
+    length)`` along ``dim`` is copied to rows ``[row, row + rows)`` of
+    ``param``. Unsplit weights take the whole of dimension 0.
+    """
+
+    param: torch.Tensor
+    row: int
+    shape: tuple[int, ...]
+    dim: int = 0
+    start: int = 0
+    length: int | None = None  # None: the whole dimension
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of the (full) checkpoint tensor this rank keeps: a view, never a copy."""
+        if self.length is None:
+            return tensor
+        return tensor.narrow(self.dim, self.start, self.length)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.dim != 0 or self.length is None else self.length
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, ops: TorchOps, dtype):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, ops: TorchOps, dtype,
+                 shard: TPShard, tp=None):
         super().__init__()
         self._ops = ops
+        self._tp = tp
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = shard.num_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, ops, dtype)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, ops, dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops, dtype)
         self._ctx = ctx
 
     def forward(self, x: torch.Tensor, rope, kv_cache: KVCache | None) -> torch.Tensor:
@@ -42,27 +81,31 @@ class LlamaAttention(nn.Module):
             out = causal_attention_dense(q, k, v, meta, self.scale)
         else:
             out = self._ops.attention(q, kv, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        out = self.o_proj(out.reshape(tokens, self.q_size))
+        return out if self._tp is None else self._tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: TorchOps, dtype):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps, dtype, shard: TPShard, tp=None):
         super().__init__()
         self._ops = ops
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, ops, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops, dtype)
+        self._tp = tp
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * shard.intermediate_size, False, ops, dtype)
+        self.down_proj = Linear(shard.intermediate_size, cfg.hidden_size, False, ops, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._ops.silu_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self._ops.silu_mul(self.gate_up_proj(x)))
+        return out if self._tp is None else self._tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, ops: TorchOps, dtype):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, ops: TorchOps, dtype,
+                 shard: TPShard, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_idx, ctx, ops, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ctx, ops, dtype, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.mlp = LlamaMLP(cfg, ops, dtype)
+        self.mlp = LlamaMLP(cfg, ops, dtype, shard, tp)
 
     def forward(self, x, residual, rope, kv_cache):
         h, residual = self.input_layernorm(x, residual)
@@ -72,10 +115,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, ops: TorchOps, dtype):
+    def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, ops: TorchOps, dtype,
+                 shard: TPShard, tp=None):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, ops, dtype) for i in range(cfg.num_layers))
+        self.embed_tokens = Embedding(shard.vocab_size, cfg.hidden_size, dtype, shard.vocab[0], tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, ops, dtype, shard, tp)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
@@ -87,15 +132,21 @@ class LlamaForCausalLM(nn.Module):
     and the RoPE table, is placed by the runner (WeightArena, RotaryEmbedding.build)
     and registered with the runner's ledger there. ``ops`` picks the torch
     reference or the Triton kernels for norms, activation, RoPE and attention.
+    ``shard``/``tp``: this rank's slice and the group its collectives run
+    over (tensor parallelism); the default is the whole model, no group.
     """
 
     def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, dtype: torch.dtype,
-                 ops: TorchOps | None = None):
+                 ops: TorchOps | None = None, shard: TPShard | None = None, tp=None):
         super().__init__()
         self.config = cfg
         self.ops = ops or TorchOps()
-        self.model = LlamaModel(cfg, max_positions, ctx, self.ops, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, self.ops, dtype)
+        self.shard = shard or TPShard.of(cfg)
+        self._tp = tp
+        self._vocab_sizes = [split_range(cfg.vocab_size, self.shard.world, r)[1] for r in range(self.shard.world)]
+        self.model = LlamaModel(cfg, max_positions, ctx, self.ops, dtype, self.shard, tp)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(cfg.hidden_size, self.shard.vocab_size, False, self.ops, dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         """Final hidden states [T, hidden] for flat token ids [T] at ``positions``."""
@@ -107,66 +158,68 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.model.norm(h, residual)
         return h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model dtype: enough for an argmax, which float32 would not change."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab] in the model dtype (enough for an argmax, which float32 would not change);
+        with tensor parallelism gathered on rank 0 (other ranks get None)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight, None)
+        logits = self.ops.linear(hidden, weight, None)
+        return logits if self._tp is None else self._tp.gather_last_dim(logits, self._vocab_sizes)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits, what sampling and scoring work on."""
-        return self.logits(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits, what sampling and scoring work on (None on tensor-parallel ranks other than 0)."""
+        logits = self.logits(hidden)
+        return None if logits is None else logits.float()
 
     # -- weights -------------------------------------------------------------------------
 
-    def weight_shards(self) -> dict[str, tuple[torch.Tensor, int, int, tuple[int, ...]]]:
-        """HF name -> (parameter, first row, row count, parameter shape) for every weight the checkpoint must provide.
+    def weight_shards(self) -> dict[str, WeightShard]:
+        """HF name -> WeightShard for every weight the checkpoint must provide.
 
         Shapes come from the config, not the parameters, so weights can be
         checked while the parameters are released (asleep).
         """
-        cfg = self.config
+        cfg, sh = self.config, self.shard
         h, q, kv, inter, vocab = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
-        shards: dict[str, tuple[torch.Tensor, int, int, tuple[int, ...]]] = {}
-
-        def whole(name: str, p: torch.Tensor, shape: tuple[int, ...]) -> None:
-            shards[name] = (p, 0, shape[0], shape)
-
-        whole("model.embed_tokens.weight", self.model.embed_tokens.weight, (vocab, h))
-        whole("model.norm.weight", self.model.norm.weight, (h,))
+        d = cfg.head_dim
+        q_start, q_len = sh.heads[0] * d, sh.num_heads * d
+        kv_start, kv_len = sh.kv_heads[0] * d, sh.num_kv_heads * d
+        i_start, i_len = sh.intermediate
+        shards: dict[str, WeightShard] = {
+            "model.embed_tokens.weight": WeightShard(self.model.embed_tokens.weight, 0, (vocab, h), 0, *sh.vocab),
+            "model.norm.weight": WeightShard(self.model.norm.weight, 0, (h,)),
+        }
         if self.lm_head is not None:
-            whole("lm_head.weight", self.lm_head.weight, (vocab, h))
+            shards["lm_head.weight"] = WeightShard(self.lm_head.weight, 0, (vocab, h), 0, *sh.vocab)
         for i, layer in enumerate(self.model.layers):
             pre = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            whole(pre + "input_layernorm.weight", layer.input_layernorm.weight, (h,))
-            whole(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight, (h,))
-            whole(pre + "self_attn.o_proj.weight", attn.o_proj.weight, (h, q))
-            whole(pre + "mlp.down_proj.weight", mlp.down_proj.weight, (h, inter))
-            params = [("weight", attn.qkv_proj.weight, (q + 2 * kv, h))]
+            shards[pre + "input_layernorm.weight"] = WeightShard(layer.input_layernorm.weight, 0, (h,))
+            shards[pre + "post_attention_layernorm.weight"] = WeightShard(layer.post_attention_layernorm.weight, 0, (h,))
+            shards[pre + "self_attn.o_proj.weight"] = WeightShard(attn.o_proj.weight, 0, (h, q), 1, q_start, q_len)
+            shards[pre + "mlp.down_proj.weight"] = WeightShard(mlp.down_proj.weight, 0, (h, inter), 1, i_start, i_len)
+            params = [("weight", attn.qkv_proj.weight, (h,))]
             if cfg.attention_bias:
-                params.append(("bias", attn.qkv_proj.bias, (q + 2 * kv,)))
-            for kind, p, shape in params:
-                shards[pre + f"self_attn.q_proj.{kind}"] = (p, 0, q, shape)
-                shards[pre + f"self_attn.k_proj.{kind}"] = (p, q, kv, shape)
-                shards[pre + f"self_attn.v_proj.{kind}"] = (p, q + kv, kv, shape)
-            gate_up = (2 * inter, h)
-            shards[pre + "mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, inter, gate_up)
-            shards[pre + "mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, inter, inter, gate_up)
+                params.append(("bias", attn.qkv_proj.bias, ()))
+            for kind, p, rest in params:
+                shards[pre + f"self_attn.q_proj.{kind}"] = WeightShard(p, 0, (q, *rest), 0, q_start, q_len)
+                shards[pre + f"self_attn.k_proj.{kind}"] = WeightShard(p, q_len, (kv, *rest), 0, kv_start, kv_len)
+                shards[pre + f"self_attn.v_proj.{kind}"] = WeightShard(p, q_len + kv_len, (kv, *rest), 0, kv_start, kv_len)
+            shards[pre + "mlp.gate_proj.weight"] = WeightShard(mlp.gate_up_proj.weight, 0, (inter, h), 0, i_start, i_len)
+            shards[pre + "mlp.up_proj.weight"] = WeightShard(mlp.gate_up_proj.weight, i_len, (inter, h), 0, i_start, i_len)
         return shards
 
-    def _target(self, shards: dict, name: str, tensor: torch.Tensor):
-        """The (parameter, first row, rows) ``name`` goes to, after checking its shape and dtype."""
+    def _target(self, shards: dict[str, WeightShard], name: str, tensor: torch.Tensor) -> WeightShard:
+        """Where ``name`` goes, after checking its (full, checkpoint) shape and dtype."""
         if not isinstance(tensor, torch.Tensor):
             raise ModelLoadError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         if name not in shards:
             raise ModelLoadError(f"unexpected weight {name!r}: no such parameter in this {self.config.architecture} model")
-        param, start, rows, shape = shards[name]
-        expected = (rows, *shape[1:])
-        if tuple(tensor.shape) != expected:
-            raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        shard = shards[name]
+        if tuple(tensor.shape) != shard.shape:
+            raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {shard.shape}")
         if not tensor.is_floating_point():
             raise ModelLoadError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
-        return param, start, rows
+        return shard
 
     def _check_complete(self, shards: dict, loaded: set[str]) -> None:
         missing = sorted(set(shards) - loaded)
@@ -188,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> set[str]:
-        """Copy HF-named tensors into the (fused) parameters; returns the names loaded.
+        """Copy HF-named tensors (this rank's slice of each) into the (fused) parameters; returns the names loaded.
 
         Unknown names, shape mismatches and (with ``require_all``) missing names
         raise ModelLoadError naming the tensor. Parameters must be placed
@@ -199,8 +252,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied head: some checkpoints store the copy anyway
-            param, start, rows = self._target(shards, name, tensor)
-            param.narrow(0, start, rows).copy_(tensor, non_blocking=False)
+            shard = self._target(shards, name, tensor)
+            shard.param.narrow(0, shard.row, shard.rows).copy_(shard.source(tensor), non_blocking=False)
             loaded.add(name)
         if require_all:
             self._check_complete(shards, loaded)

@@ -1,6 +1,8 @@
 """Flattened model inputs and attention metadata for one scheduled batch.
 
-Two builders share one host-side pass over the sequences:
+Two builders share one host-side pass over the sequences (``host_batch``,
+whose plain-list result is also what a tensor-parallel driver sends its
+workers):
 
 - ``build_reference_batch`` makes the padded gather maps of the torch
   reference attention (CPU), one small tensor each;
@@ -33,26 +35,32 @@ class InputBatch:
     metadata: AttentionMetadata | None  # None for a graph step: the graph replays the metadata it captured
     logits_indices: torch.Tensor | None  # flat rows whose logits are needed: 1 per sampling sequence, 1 + drafts
     # if speculating; None for a graph step, where every real row is needed (rows [0, num_rows))
-    sampling_seqs: list[Sequence]  # the sequences whose step ends at their last (or last draft) token
     graph: tuple[int, int] | None = None  # (sequences, tokens per sequence) of the CUDA graph to replay
     num_rows: int = 0  # real (unpadded) token rows of a graph step
 
 
 @dataclass
-class _HostBatch:
+class HostBatch:
+    """A step's model inputs as plain integer lists: all any rank needs to run the forward.
+
+    Holds no Sequence (no generator, no tokenizer), so the tensor-parallel
+    driver sends it to the workers as it is.
+    """
+
     input_ids: list[int]
     positions: list[int]
     slots: list[int]
     query_start: list[int]
     seq_lens: list[int]
     logits_indices: list[int]
-    sampling_seqs: list[Sequence]
     query_lens: list[int]
     tables: list[list[int]]
 
 
-def _host_batch(batch: ScheduledBatch, block_size: int) -> _HostBatch:
-    h = _HostBatch([], [], [], [0], [], [], [], list(batch.num_new_tokens), [s.block_table for s in batch.seqs])
+def host_batch(batch: ScheduledBatch, block_size: int) -> tuple[HostBatch, list[Sequence]]:
+    """The step's inputs, and the sequences whose step ends at their last (or last draft) token."""
+    h = HostBatch([], [], [], [0], [], [], list(batch.num_new_tokens), [s.block_table for s in batch.seqs])
+    sampling_seqs: list[Sequence] = []
     end = 0
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start = seq.num_computed_tokens
@@ -71,14 +79,13 @@ def _host_batch(batch: ScheduledBatch, block_size: int) -> _HostBatch:
         h.seq_lens.append(start + n)
         if start + n == len(seq.token_ids) + len(drafts):
             h.logits_indices.extend(range(end - 1 - len(drafts), end))
-            h.sampling_seqs.append(seq)
-    return h
+            sampling_seqs.append(seq)
+    return h, sampling_seqs
 
 
-def build_reference_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> InputBatch:
+def build_reference_batch(h: HostBatch, device: torch.device) -> InputBatch:
     """Inputs for the torch reference attention: flat tensors plus padded gather maps."""
-    h = _host_batch(batch, block_size)
-    num_seqs = len(batch.seqs)
+    num_seqs = len(h.seq_lens)
     max_q = max(h.query_lens)
     block_tables = torch.zeros(num_seqs, max(len(t) for t in h.tables), dtype=torch.int32)
     q_index = torch.zeros(num_seqs, max_q, dtype=torch.int64)
@@ -100,7 +107,7 @@ def build_reference_batch(batch: ScheduledBatch, block_size: int, device: torch.
         max_seq_len=max(h.seq_lens), q_index=dev(q_index), q_valid=dev(q_valid), q_positions=dev(q_positions),
     )
     return InputBatch(dev(h.input_ids, torch.int64), dev(h.positions, torch.int64), meta,
-                      dev(h.logits_indices, torch.int64), h.sampling_seqs)
+                      dev(h.logits_indices, torch.int64))
 
 
 class StepInputs:
@@ -160,8 +167,7 @@ class StepInputs:
         if self._copied is not None:
             self._copied.record()
 
-    def build(self, batch: ScheduledBatch, graph: tuple[int, int] | None = None) -> InputBatch:
-        h = _host_batch(batch, self.block_size)
+    def build(self, h: HostBatch, graph: tuple[int, int] | None = None) -> InputBatch:
         if graph is not None:
             return self._build_graph_step(h, *graph)
         seqs = len(h.seq_lens)
@@ -177,9 +183,9 @@ class StepInputs:
                                  max_seq_len=max(h.seq_lens), tile_seq=v[6], tile_q0=v[7],
                                  block_q=block_q, block_m=block_m,
                                  splits=tile_splits(seqs, self.num_kv_heads, block_q))
-        return InputBatch(v[0], v[1], meta, v[3], h.sampling_seqs)
+        return InputBatch(v[0], v[1], meta, v[3])
 
-    def _build_graph_step(self, h: _HostBatch, size: int, q: int) -> InputBatch:
+    def _build_graph_step(self, h: HostBatch, size: int, q: int) -> InputBatch:
         rows, at = len(h.input_ids), self._graph_offsets(size, q)
         pad, pad_seqs = size * q - rows, size - len(h.seq_lens)
         self._write([(at["input_ids"], h.input_ids + [0] * pad), (at["positions"], h.positions + [0] * pad),
@@ -188,5 +194,4 @@ class StepInputs:
                      (at["seq_lens"], h.seq_lens + [0] * pad_seqs)],
                     (at["block_tables"], self.max_blocks, h.tables))
         views = self.graph_views(size, q)
-        return InputBatch(views["input_ids"], views["positions"], None, None, h.sampling_seqs, graph=(size, q),
-                          num_rows=rows)
+        return InputBatch(views["input_ids"], views["positions"], None, None, graph=(size, q), num_rows=rows)

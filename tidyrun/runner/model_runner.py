@@ -11,6 +11,14 @@ before the KV cache and weights) and then proves, through the ledger's weak
 references, that none survived. ``sleep`` and ``wake_up`` release and
 restore the same components without rebuilding the model; graphs bake in
 buffer addresses, so they are captured again on every wake.
+
+As one rank of a tensor-parallel engine (``tp``), the runner holds only its
+slice of the weights and KV heads and owns the rank's ``TPGroup`` (its
+communicators, ledger owner ``process_group``): shutdown destroys the group
+after the CUDA graphs and the KV cache (acquired later, released earlier) and
+then verifies, like every tensor, that the group object is dead. The same
+code runs the driver (rank 0, which samples) and the workers (forward only,
+see ``forward_logits``).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import torch
 
 from ..attention import ForwardContext
 from ..config import EngineConfig, ModelConfig
+from ..distributed.rank import TPRank
+from ..distributed.sharding import TPShard
 from ..audit import Survivor, survivor, unique_storage_bytes
 from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
                       OutOfResourcesError, ResourceLeakError)
@@ -39,7 +49,7 @@ from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 from .device import resolve_device, resolve_dtype, synchronize
 from .cuda_graphs import CudaGraphManager, default_capture_sizes
-from .input_batch import InputBatch, StepInputs, build_reference_batch
+from .input_batch import HostBatch, InputBatch, StepInputs, build_reference_batch, host_batch
 from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
 from .weights import WeightArena
 from ..spec_decode import accept_greedy, verify_drafts
@@ -87,8 +97,10 @@ def _name_tensor_pairs(items):
 
 class ModelRunner:
     def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int],
-                 keep_host_buffers: bool = True) -> None:
+                 keep_host_buffers: bool = True, tp: TPRank | None = None) -> None:
         self.ledger = ResourceLedger()
+        self.tp = tp
+        self.tp_group = tp.group if tp is not None else None
         self.closed = False
         self.source = source
         self.model: LlamaForCausalLM | None = None
@@ -99,6 +111,7 @@ class ModelRunner:
         self.sleep_level: int | None = None
         self.last_transfer: dict[str, float] = {}
         self.model_config: ModelConfig = source.config
+        self.shard = tp.shard if tp is not None else TPShard.of(source.config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.cache.block_size
@@ -119,6 +132,11 @@ class ModelRunner:
             self._load_model(source)
             t1 = time.perf_counter()
             self.num_kv_blocks = self._num_kv_blocks(config)
+            if self.tp_group is not None:
+                self.tp_group.connect()
+                # Tracked (as an object, its communicator memory unmeasured) so shutdown proves it is gone.
+                self.ledger.track("process_group", f"tp_group.rank{self.shard.rank}", self.tp_group.pg, nbytes=0,
+                                  device=str(self.device))
             self._allocate_kv_cache()
             synchronize(self.device)
             t2 = time.perf_counter()
@@ -153,7 +171,8 @@ class ModelRunner:
         """Batch sizes to capture by tokens per sequence (1: decode; k + 1: verifying up to k drafts),
         or None when steps run eagerly. A step never holds more sequences than ``max_num_seqs`` nor
         more tokens than ``max_num_batched_tokens``."""
-        if config.enforce_eager or not isinstance(self.ops, TritonOps) or self.device.type != "cuda":
+        if (config.enforce_eager or not isinstance(self.ops, TritonOps) or self.device.type != "cuda"
+                or self.shard.world > 1):  # collectives are not captured: tensor-parallel steps run eagerly
             return None
         cap = min(config.max_num_seqs, config.max_num_batched_tokens)
         if config.cuda_graph_sizes is None:
@@ -182,7 +201,7 @@ class ModelRunner:
         mc, cfg = self.model_config, self.config
         group = mc.num_heads // mc.num_kv_heads
         # compute_logits() sends a whole prompt (up to max_model_len tokens) through one step.
-        inputs = StepInputs(self.block_size, group, mc.num_kv_heads, max(cfg.max_num_batched_tokens, self.max_model_len),
+        inputs = StepInputs(self.block_size, group, self.shard.num_kv_heads, max(cfg.max_num_batched_tokens, self.max_model_len),
                             cfg.max_num_seqs, -(-self.max_model_len // self.block_size), self.device, self.ledger)
         graphs = None
         if self.graph_sizes is not None:
@@ -214,7 +233,8 @@ class ModelRunner:
         return config.max_model_len
 
     def _load_model(self, source: ModelSource) -> None:
-        self.model = LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.dtype, self.ops)
+        self.model = LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.dtype, self.ops,
+                                      self.shard, self.tp_group)
         self.arena = WeightArena(self.model, self.device, self.dtype, self.ledger, self.keep_host_buffers)
         self._place_weights()
         self.model.load_weights(source.iter_weights())
@@ -232,18 +252,20 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         mc = self.model_config
-        self.kv_cache = KVCache(mc.num_layers, self.num_kv_blocks, self.block_size, mc.num_kv_heads,
+        self.kv_cache = KVCache(mc.num_layers, self.num_kv_blocks, self.block_size, self.shard.num_kv_heads,
                                 mc.head_dim, self.dtype, self.device, self.ledger)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         mc, cache = self.model_config, config.cache
-        per_block = bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_block = bytes_per_block(mc.num_layers, self.block_size, self.shard.num_kv_heads, mc.head_dim, self.dtype)
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         else:
             budget = cache.memory_bytes if cache.memory_bytes is not None else self._default_kv_budget(config)
             num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
+        if self.tp is not None:  # one block id must mean the same slots on every rank
+            num_blocks = self.tp.agree_num_blocks(int(num_blocks))
         if num_blocks * self.block_size < self.max_model_len:
             if config.max_model_len is not None or num_blocks < 1:
                 raise OutOfResourcesError(
@@ -356,6 +378,14 @@ class ModelRunner:
         if not self.sleeping:
             self.sleep_level = None
 
+    def _check_can_update_weights(self, weights) -> None:
+        self._check_alive()
+        if "weights" in self.sleeping and self.sleep_level == 1:
+            raise EngineSleepingError("the engine sleeps at level 1; call wake_up(['weights']) before update_weights()")
+        if not hasattr(weights, "items") and not hasattr(weights, "__iter__"):
+            raise InvalidRequestError(
+                f"update_weights takes a state dict or an iterable of (name, tensor), got {type(weights).__name__}")
+
     def update_weights(self, weights) -> int:
         """Copy HF-named tensors into the weights in place; returns how many were loaded.
 
@@ -363,13 +393,8 @@ class ModelRunner:
         re-allocated and every weight must be given (nothing else could fill
         the rest). A mapping is checked completely before anything is copied.
         """
-        self._check_alive()
-        if "weights" in self.sleeping and self.sleep_level == 1:
-            raise EngineSleepingError("the engine sleeps at level 1; call wake_up(['weights']) before update_weights()")
+        self._check_can_update_weights(weights)
         refill = "weights" in self.sleeping
-        if not hasattr(weights, "items") and not hasattr(weights, "__iter__"):
-            raise InvalidRequestError(
-                f"update_weights takes a state dict or an iterable of (name, tensor), got {type(weights).__name__}")
         if not hasattr(weights, "items"):
             weights = _name_tensor_pairs(weights)
         try:
@@ -392,10 +417,10 @@ class ModelRunner:
         synchronize(self.device)
         return len(loaded)
 
-    def _build_inputs(self, batch: ScheduledBatch, graphs: bool = True) -> InputBatch:
+    def _build_inputs(self, host: HostBatch, graph: tuple[int, int] | None) -> InputBatch:
         if not isinstance(self.ops, TritonOps):
-            return build_reference_batch(batch, self.block_size, self.device)
-        return self.inputs.build(batch, self._graph_key(batch) if graphs and self.graphs is not None else None)
+            return build_reference_batch(host, self.device)
+        return self.inputs.build(host, graph)
 
     def _graph_key(self, batch: ScheduledBatch) -> tuple[int, int] | None:
         """The CUDA graph that can run ``batch``: every sequence decodes its last token, plus its drafts."""
@@ -413,6 +438,25 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions, self.kv_cache)
 
     @torch.inference_mode()
+    def forward_logits(self, host: HostBatch, graph: tuple[int, int] | None = None,
+                       all_rows: bool = False) -> torch.Tensor | None:
+        """Run the model on one step's inputs: logits (model dtype) of the rows that sample (``all_rows``: of
+        every row), or None when no row samples. Tensor-parallel ranks other than 0 run the same forward and
+        collectives and get None: only rank 0 receives logits.
+        """
+        self.check_awake()
+        inputs = self._build_inputs(host, graph)
+        if inputs.graph is not None:  # every real row samples: one per sequence, plus one per draft
+            hidden = self.graphs.replay(inputs.graph)[:inputs.num_rows]
+        else:
+            hidden = self._forward(inputs)
+            if not all_rows:
+                hidden = hidden[inputs.logits_indices]
+        if not all_rows and not host.logits_indices:
+            return None
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns (sequence, new tokens) for sequences whose step reached their end.
 
@@ -420,17 +464,12 @@ class ModelRunner:
         drafts plus one token from the target model.
         """
         self.check_awake()
-        inputs = self._build_inputs(batch)
-        if inputs.graph is not None:  # every real row samples: one per sequence, plus one per draft
-            hidden = self.graphs.replay(inputs.graph)[:inputs.num_rows]
-        else:
-            hidden = self._forward(inputs)[inputs.logits_indices]
-        if not inputs.sampling_seqs:
+        host, seqs = host_batch(batch, self.block_size)
+        logits = self.forward_logits(host, self._graph_key(batch) if self.graphs is not None else None)
+        if not seqs:
             return []
-        seqs = inputs.sampling_seqs
         drafts = any(s.draft_tokens for s in seqs)
         if all(s.params.greedy for s in seqs):  # one argmax and one copy to the host for the whole batch
-            logits = self.model.logits(hidden)
             if not drafts:
                 self._ban_stop_tokens_below_min(logits, seqs)
                 return [(s, [t]) for s, t in zip(seqs, self.ops.argmax(logits).tolist())]
@@ -441,7 +480,7 @@ class ModelRunner:
             targets = self.ops.argmax(logits).tolist()
             return [(s, accept_greedy(s.draft_tokens, targets[row:row + 1 + len(s.draft_tokens)]))
                     for s, row in zip(seqs, starts)]
-        logits = self.model.compute_logits(hidden)
+        logits = logits.float()
         if not drafts:
             self._ban_stop_tokens_below_min(logits, seqs)
             tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -462,7 +501,7 @@ class ModelRunner:
     def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Float32 logits [T, vocab] of every token of a single-sequence batch (scoring, tests)."""
         self.check_awake()
-        return self.model.compute_logits(self._forward(self._build_inputs(batch, graphs=False)))
+        return self.forward_logits(host_batch(batch, self.block_size)[0], all_rows=True).float()
 
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]], pooling: str, normalized: bool, max_batch_tokens: int) -> torch.Tensor:
@@ -504,6 +543,12 @@ class ModelRunner:
         elif owner in ("weights", "rope"):
             self.model = None  # the RoPE table is a buffer of the model
             self.arena = None
+        elif owner == "process_group":
+            self.tp_group.destroy()  # acquired after the weights, before the KV cache and any CUDA graph
+
+    def rank_reports(self) -> list[ShutdownReport]:
+        """The shutdown report of every tensor-parallel rank this runner drives: here just its own."""
+        return [self.shutdown_report or ShutdownReport()]
 
     def shutdown(self, strict: bool = False) -> ShutdownReport:
         """Release every component (reverse acquisition order), free device caches, verify.
@@ -523,6 +568,8 @@ class ModelRunner:
         released = self.ledger.bytes_by_owner()
         for owner in self.ledger.owners_for_release():
             self._release(owner)
+        if self.tp_group is not None:  # a group that never connected still holds its store
+            self.tp_group.destroy()
         gc.collect()
         free_device_caches(self.device)
         survivors = [s for s in (survivor(e.ref, e.fixed_nbytes) for e in self.ledger.live_entries()) if s is not None]

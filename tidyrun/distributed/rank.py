@@ -1,0 +1,26 @@
+"""TPRank: what a ModelRunner needs to know to be one rank of a tensor-parallel engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .group import TPGroup
+from .sharding import TPShard
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """This rank's slice, its group, and how the ranks agree on a KV block count.
+
+    Every rank sizes its own KV cache (each holds different heads, and on
+    CUDA each has its own free memory); ``agree_num_blocks`` takes this rank's
+    count and returns the one all ranks use (the smallest), since a block id
+    must mean the same slots everywhere. It runs once every rank has loaded
+    its weights, before the group is connected, so a rank that failed to
+    start is reported by name instead of timing a collective out.
+    """
+
+    shard: TPShard
+    group: TPGroup
+    agree_num_blocks: Callable[[int], int]
