@@ -170,18 +170,40 @@ def decode_steps(ckpt: str, args: argparse.Namespace, mode: str) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The checkpoint, device and request-mix options this script shares with tp_throughput.py."""
     ap.add_argument("--shape", default="llama-1.2b")
     ap.add_argument("--ckpt", default=None, help="existing checkpoint folder (default: /tmp/tidyrun-bench/<shape>)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager"], default=["graphs"],
-                    help="graphs: the engine's default; eager: enforce_eager=True")
-    ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--prompt-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     ap.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+
+
+def prepare_workload(args: argparse.Namespace) -> tuple[str, Workload, Workload]:
+    """The checkpoint folder (a random one written if missing), the timed workload and the warm-up one."""
+    from tidyrun.synthetic import write_random_checkpoint
+
+    ckpt = args.ckpt or os.path.join("/tmp/tidyrun-bench", args.shape)
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        t0 = time.perf_counter()
+        write_random_checkpoint(ckpt, args.shape, dtype=torch.bfloat16, device="cuda" if args.device.startswith("cuda")
+                                else "cpu")
+        print(f"wrote random {args.shape} checkpoint to {ckpt} in {time.perf_counter() - t0:.1f} s")
+    with open(os.path.join(ckpt, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    work = make_workload(args.num_requests, args.prompt_len_range, args.output_len_range, vocab, seed=0)
+    warm = make_workload(min(8, args.num_requests), args.prompt_len_range, args.output_len_range, vocab, seed=1)
+    return ckpt, work, warm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
+    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager"], default=["graphs"],
+                    help="graphs: the engine's default; eager: enforce_eager=True")
+    ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-requests", type=int, default=None, help="run transformers on the first N requests only")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -196,18 +218,7 @@ def main() -> None:
     if args.enforce_eager:
         args.modes = ["eager"]
     args.hf_requests = min(args.hf_requests or args.num_requests, args.num_requests)
-    from tidyrun.synthetic import write_random_checkpoint
-
-    ckpt = args.ckpt or os.path.join("/tmp/tidyrun-bench", args.shape)
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        t0 = time.perf_counter()
-        write_random_checkpoint(ckpt, args.shape, dtype=torch.bfloat16, device="cuda" if args.device.startswith("cuda")
-                                else "cpu")
-        print(f"wrote random {args.shape} checkpoint to {ckpt} in {time.perf_counter() - t0:.1f} s")
-    with open(os.path.join(ckpt, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    work = make_workload(args.num_requests, args.prompt_len_range, args.output_len_range, vocab, seed=0)
-    warm = make_workload(min(8, args.num_requests), args.prompt_len_range, args.output_len_range, vocab, seed=1)
+    ckpt, work, warm = prepare_workload(args)
 
     throughput, decode = [], []
     if not args.skip_throughput:

@@ -20,37 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 
-from throughput import make_workload, tidyrun_throughput
+from throughput import add_workload_args, prepare_workload, tidyrun_throughput
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-1.2b")
-    ap.add_argument("--ckpt", default=None, help="existing checkpoint folder (default: /tmp/tidyrun-bench/<shape>)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_workload_args(ap)
     ap.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--prompt-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    ap.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     ap.add_argument("--json", default=None, help="default: bench/results/tp_<shape>.json")
     args = ap.parse_args()
-    from tidyrun.synthetic import write_random_checkpoint
-
-    ckpt = args.ckpt or os.path.join("/tmp/tidyrun-bench", args.shape)
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        t0 = time.perf_counter()
-        write_random_checkpoint(ckpt, args.shape, dtype=torch.bfloat16,
-                                device="cuda" if args.device.startswith("cuda") else "cpu")
-        print(f"wrote random {args.shape} checkpoint to {ckpt} in {time.perf_counter() - t0:.1f} s")
-    with open(os.path.join(ckpt, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    work = make_workload(args.num_requests, args.prompt_len_range, args.output_len_range, vocab, seed=0)
-    warm = make_workload(min(8, args.num_requests), args.prompt_len_range, args.output_len_range, vocab, seed=1)
+    ckpt, work, warm = prepare_workload(args)
 
     rows = []
     for size in args.tp_sizes:

@@ -95,7 +95,6 @@ class TritonOps(TorchOps):
         tile = self._tile(x, weight)
         return F.linear(x, weight, bias) if tile is None else self._skinny.skinny_linear(x, weight, bias, tile)
 
-
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._skinny.argmax_rows(logits)
 
