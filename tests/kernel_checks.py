@@ -162,24 +162,37 @@ ATTENTION_CASES = (
 FUSED_SHAPES = ((1, 64, 4, 2, 16), (5, 96, 9, 3, 64), (17, 256, 4, 4, 32), (3, 128, 2, 2, 80))
 
 
-SKINNY_SHAPES = ((1, 48, 96), (3, 40, 600), (16, 64, 512), (5, 33, 1000))
+SKINNY_SHAPES = ((1, 48, 96), (3, 40, 600), (16, 64, 512), (5, 34, 1000))
 
 
 def check_skinny(device, dtype, shapes, configs, seed=0):
-    """skinny_linear (with and without bias, every config) and argmax_rows against torch."""
+    """skinny_linear (with and without bias, every config; a split finished in-kernel equal to the bit to
+    one finished by the reduce kernel; the gated SiLU-mul epilogue) and argmax_rows against torch."""
+    from tidyrun.kernels.fused import silu_mul
     from tidyrun.kernels.skinny import SkinnyConfig, argmax_rows, skinny_linear
 
     g = torch.Generator().manual_seed(seed)
     to = dict(device=device, dtype=dtype)
     rtol = 1e-4 if dtype == torch.float32 else 2e-2
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
     for rows, n, k in shapes:
         x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        xd, wd = x.to(**to), w.to(**to)
         for cfg in configs:
+            cfg = SkinnyConfig(*cfg)
             for bias in (None, b):
                 ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-                out = skinny_linear(x.to(**to), w.to(**to), None if bias is None else bias.to(**to), SkinnyConfig(*cfg))
+                bd = None if bias is None else bias.to(**to)
+                out = skinny_linear(xd, wd, bd, cfg)
                 err = (out.double().cpu() - ref).abs().max().item()
                 assert out.dtype == dtype and err <= rtol * ref.abs().max().item(), f"skinny {rows}x{n}x{k} {cfg}: {err}"
+                assert torch.equal(skinny_linear(xd, wd, bd, cfg, counters), out), f"in-kernel finish {cfg}"
+                assert not counters.any(), f"skinny {rows}x{n}x{k} {cfg}: counters left armed"
+            if n % 2 == 0:
+                gated = skinny_linear(xd, wd, None, cfg._replace(split_k=1), gated=True)
+                ref = silu_mul(F.linear(xd, wd))
+                err = (gated.double() - ref.double()).abs().max().item()
+                assert err <= 2 * rtol * ref.abs().max().item(), f"gated {rows}x{n}x{k} {cfg}: {err}"
     x = torch.randn(3, 10000, generator=g)
     x[1, 5000] = x[1, 9000] = 100.0  # a tie: the first index wins, as in torch.argmax
     x[2] = 0.0

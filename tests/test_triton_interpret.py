@@ -60,7 +60,7 @@ def run(**kw):
         return tokens, llm.compute_logits(shared * 2)  # one step longer than the token budget
 
 reference, logits = run()
-ModelRunner._choose_ops = lambda self, config: TritonOps(num_sms=4, skinny_float32=True)  # the CUDA path on the CPU
+ModelRunner._choose_ops = lambda self, config: TritonOps(num_sms=4, ctx=self.ctx, skinny_float32=True)  # the CUDA path on the CPU
 tokens, triton_logits = run()
 assert tokens == reference, "Triton path differs from the torch path"
 assert (triton_logits - logits).abs().max() < 1e-3, "compute_logits differs"

@@ -41,6 +41,8 @@ class AttentionMetadata:
     block_q: int = 1
     block_m: int = 16
     splits: int = 1  # programs sharing one decode tile's keys (see tile_splits)
+    # Zeroed int32 arrival counters with which split kernels finish their reduction in-kernel (Triton path).
+    counters: torch.Tensor | None = None
 
 
 def _next_power_of_2(n: int) -> int:
@@ -96,6 +98,11 @@ class ForwardContext:
         if self._metadata is None:
             raise RuntimeError("attention layer called outside a ForwardContext scope")
         return self._metadata
+
+    @property
+    def split_counters(self) -> torch.Tensor | None:
+        """The current step's arrival counters (None outside a step, or on the torch path)."""
+        return None if self._metadata is None else self._metadata.counters
 
     @contextmanager
     def scope(self, metadata: AttentionMetadata) -> Iterator[None]:

@@ -28,7 +28,7 @@ from ..loader import ModelSource
 from ..resources import drop_traceback_locals
 from ..runner.device import resolve_device, synchronize
 from ..runner.input_batch import HostBatch
-from ..runner.model_runner import ModelRunner, ShutdownReport, _name_tensor_pairs
+from ..runner.model_runner import ModelRunner, ShutdownReport, StepLogits, _name_tensor_pairs
 from .group import TPGroup
 from .pool import WorkerPool
 from .rank import TPRank
@@ -157,7 +157,7 @@ class TPDriverRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward_logits(self, host: HostBatch, graph: tuple[int, int] | None = None,
-                       all_rows: bool = False) -> torch.Tensor | None:
+                       all_rows: bool = False) -> StepLogits | None:
         self.check_awake()
         self._send(("step", host, all_rows))
         try:

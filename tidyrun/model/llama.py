@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -94,7 +95,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(shard.intermediate_size, cfg.hidden_size, False, ops, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self._ops.silu_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self._ops.linear_silu_mul(x, self.gate_up_proj.weight))
         return out if self._tp is None else self._tp.all_reduce(out)
 
 
@@ -125,6 +126,14 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
 
+class LayerState(NamedTuple):
+    """What flows from one decoder layer to the next: hidden states, the residual (None before the
+    first layer) and the RoPE tables of the step."""
+    h: torch.Tensor
+    residual: torch.Tensor | None
+    rope: tuple
+
+
 class LlamaForCausalLM(nn.Module):
     """The model in ``dtype``; KV cache and batch metadata come from the runner.
 
@@ -150,13 +159,23 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         """Final hidden states [T, hidden] for flat token ids [T] at ``positions``."""
+        state = self.run_layers(self.embed(input_ids, positions), kv_cache, 0, len(self.model.layers))
+        return self.final_norm(state)
+
+    # The forward in three parts, so that a CUDA graph manager can capture it in pieces.
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> LayerState:
         h = self.model.embed_tokens(input_ids)
-        rope = self.ops.rope_tables(self.model.rotary, positions, h.dtype)
-        residual = None
-        for layer in self.model.layers:
+        return LayerState(h, None, self.ops.rope_tables(self.model.rotary, positions, h.dtype))
+
+    def run_layers(self, state: LayerState, kv_cache: KVCache | None, start: int, end: int) -> LayerState:
+        h, residual, rope = state
+        for layer in self.model.layers[start:end]:
             h, residual = layer(h, residual, rope, kv_cache)
-        h, _ = self.model.norm(h, residual)
-        return h
+        return LayerState(h, residual, rope)
+
+    def final_norm(self, state: LayerState) -> torch.Tensor:
+        return self.model.norm(state.h, state.residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab] in the model dtype (enough for an argmax, which float32 would not change);

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionMetadata, paged_attention_reference, store_kv
+from ..attention import AttentionMetadata, ForwardContext, paged_attention_reference, store_kv
 from .layers import apply_rope
 
 
@@ -47,6 +47,10 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``silu(x gate^T) * (x up^T)`` for a weight [2I, in] holding the gate rows then the up rows."""
+        return self.silu_mul(self.linear(x, weight, None))
+
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
         """What each layer's ``rope_and_store`` needs: here, the gathered cos/sin rows."""
         return rotary(positions, dtype)
@@ -67,33 +71,51 @@ class TorchOps:
 
 
 class TritonOps(TorchOps):
-    """Fused Triton kernels (CUDA). KV-free attention (pooling) keeps the torch path."""
+    """Fused Triton kernels (CUDA). KV-free attention (pooling) keeps the torch path.
+
+    ``ctx`` is the runner's ForwardContext: inside a step, split kernels take
+    the step's arrival counters from it and finish their reductions in-kernel.
+    """
 
     name = "triton"
 
-    def __init__(self, num_sms: int, skinny_float32: bool = False) -> None:
+    def __init__(self, num_sms: int, ctx: ForwardContext | None = None, skinny_float32: bool = False) -> None:
         from ..kernels import attention, fused, skinny  # imported here: the CPU path never needs Triton
 
         self._attn = attention
         self._fused = fused
         self._skinny = skinny
         self._num_sms = num_sms
+        self._ctx = ctx
         self._skinny_float32 = skinny_float32  # float32 products stay on cuBLAS unless asked (interpreter tests)
-        self._tiles: dict[tuple[int, int], object] = {}  # (out, in) features -> SkinnyConfig or None (cuBLAS)
+        # (out, in features, gated) -> SkinnyConfig, or None where cuBLAS is kept
+        self._tiles: dict[tuple[int, int, bool], object] = {}
 
-    def _tile(self, x: torch.Tensor, weight: torch.Tensor):
+    def _tile(self, x: torch.Tensor, weight: torch.Tensor, gated: bool = False):
         """The skinny kernel's tile for this product, or None for cuBLAS (many rows, float32, wide outputs)."""
         if (x.shape[0] > self._skinny.MAX_ROWS or (x.dtype == torch.float32 and not self._skinny_float32)
                 or x.stride(-1) != 1 or not weight.is_contiguous()):
             return None
-        shape = tuple(weight.shape)
-        if shape not in self._tiles:
-            self._tiles[shape] = self._skinny.skinny_config(*shape, self._num_sms)
-        return self._tiles[shape]
+        key = (*weight.shape, gated)
+        if key not in self._tiles:
+            choose = self._skinny.gated_config if gated else self._skinny.skinny_config
+            self._tiles[key] = choose(*weight.shape, self._num_sms)
+        return self._tiles[key]
+
+    def _counters(self) -> torch.Tensor | None:
+        return None if self._ctx is None else self._ctx.split_counters
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         tile = self._tile(x, weight)
-        return F.linear(x, weight, bias) if tile is None else self._skinny.skinny_linear(x, weight, bias, tile)
+        if tile is None:
+            return F.linear(x, weight, bias)
+        return self._skinny.skinny_linear(x, weight, bias, tile, self._counters())
+
+    def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        tile = self._tile(x, weight, gated=True)
+        if tile is None:
+            return self.silu_mul(F.linear(x, weight))
+        return self._skinny.skinny_linear(x, weight, None, tile, gated=True)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._skinny.argmax_rows(logits)

@@ -2,7 +2,8 @@
 
 A decode step of a small model is hundreds of short kernels; launched from
 Python one by one, the launches cost more than the arithmetic. A captured
-graph replays them in one call. Graphs read their inputs from the runner's
+graph replays them in a few calls (a step is captured in pieces, see
+``piece_bounds``). Graphs read their inputs from the runner's
 ``StepInputs`` device buffer at fixed offsets, so a step only writes that
 buffer and replays the graph of the next captured size up (padding tokens
 write nothing, padding sequences attend to nothing).
@@ -11,6 +12,11 @@ A graph is keyed by (sequences, tokens per sequence): plain decode is
 ``q = 1``; with n-gram speculation, steps that verify up to k drafts are
 captured too with ``q = k + 1`` (a sequence with fewer drafts uses fewer of
 its rows; its query start is data, not baked in).
+
+Graphs of at most ``LOGITS_MAX_ROWS`` rows go on through the LM head and
+the argmax of every row: a small step is bound by the host, and these are
+three launches fewer per step. Larger ones stop at the hidden states, so
+the pool does not hold [rows, vocab] logits for hundreds of rows.
 
 Owns device memory: one graph memory pool shared by every captured graph
 (the activations and output of each), plus the constant tile tensors; all
@@ -22,6 +28,7 @@ released (sleep, shutdown) and captured again when both are back.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -34,8 +41,16 @@ from .input_batch import StepInputs
 GraphKey = tuple[int, int]  # (sequences, query tokens per sequence)
 
 
+class GraphOutput(NamedTuple):
+    """What a graph leaves in its pool: final hidden states, or logits (model dtype) and each row's argmax."""
+    hidden: torch.Tensor | None
+    logits: torch.Tensor | None
+    greedy: torch.Tensor | None
+
+
 class _Graphs(dict):
-    """Captured graphs by (sequences, tokens per sequence) (a dict subclass, so the ledger can refer to it weakly)."""
+    """Captured steps by (sequences, tokens per sequence), each a list of graph pieces replayed in order
+    (a dict subclass, so the ledger can refer to it weakly)."""
 
 
 def default_capture_sizes(max_num_seqs: int, limit: int = 256) -> tuple[int, ...]:
@@ -56,12 +71,14 @@ class CudaGraphManager:
     the batch sizes captured for it.
     """
 
+    LOGITS_MAX_ROWS = 64  # graphs of up to this many rows end with the LM head and argmax (module docstring)
+
     def __init__(self, sizes: dict[int, tuple[int, ...]], inputs: StepInputs, group: int, device: torch.device,
                  ledger: ResourceLedger) -> None:
         self.sizes = {q: tuple(sorted(s)) for q, s in sizes.items()}
         self._inputs, self._group, self._device, self._ledger = inputs, group, device, ledger
         self._graphs = _Graphs()
-        self._outputs: dict[GraphKey, torch.Tensor] = {}
+        self._outputs: dict[GraphKey, GraphOutput] = {}
         self._metas: dict[GraphKey, AttentionMetadata] = {}
         self.pool_bytes = 0
         self.capture_seconds = 0.0
@@ -90,7 +107,8 @@ class CudaGraphManager:
         return AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
                                  seq_lens=views["seq_lens"], block_tables=views["block_tables"], max_query_len=q,
                                  max_seq_len=0, tile_seq=tile_seq, tile_q0=tile_q0, block_q=block_q, block_m=block_m,
-                                 splits=tile_splits(size, self._inputs.num_kv_heads, block_q))
+                                 splits=tile_splits(size, self._inputs.num_kv_heads, block_q),
+                                 counters=self._inputs.counters)
 
     @torch.inference_mode()
     def capture(self, model: torch.nn.Module, kv_cache: KVCache, ctx: ForwardContext, warm_up: bool = True) -> float:
@@ -118,40 +136,82 @@ class CudaGraphManager:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self._device)
         for key in reversed(keys):
-            graph = torch.cuda.CUDAGraph()
+            name = f"cuda_graph.bs={key[0]}.q={key[1]}"
+            pieces: list[torch.cuda.CUDAGraph] = []
             with ctx.scope(self._metas[key]):
                 stream.wait_stream(torch.cuda.current_stream(self._device))
                 with torch.cuda.stream(stream):
-                    graph.capture_begin(pool=pool)
                     try:
-                        out = self._run(model, key, kv_cache)
+                        out = self._run(model, key, kv_cache, lambda: self._begin_piece(pieces, pool))
                     except BaseException:
                         try:  # close the capture so the stream is usable; its own error would hide the cause
-                            graph.capture_end()
+                            if pieces:
+                                pieces[-1].capture_end()
                         except Exception:  # noqa: BLE001 - the original error is re-raised below
                             pass
                         raise
-                    graph.capture_end()
+                    pieces[-1].capture_end()
                 torch.cuda.current_stream(self._device).wait_stream(stream)
-            name = f"cuda_graph.bs={key[0]}.q={key[1]}"
-            self._graphs[key] = self._ledger.track("cuda_graphs", name, graph, nbytes=0, device=str(self._device))
-            self._outputs[key] = self._ledger.track("cuda_graphs", f"{name}.output", out)
+            for i, graph in enumerate(pieces):
+                self._ledger.track("cuda_graphs", f"{name}.piece{i}", graph, nbytes=0, device=str(self._device))
+            self._graphs[key] = pieces
+            self._outputs[key] = GraphOutput(*(None if t is None else self._ledger.track(
+                "cuda_graphs", f"{name}.{field}", t) for field, t in zip(GraphOutput._fields, out)))
         torch.cuda.synchronize(self._device)
         # The pool's blocks are not tensors of ours: account them to the graphs that keep the pool alive.
-        outputs = sum(t.untyped_storage().nbytes() for t in self._outputs.values())
+        outputs = sum(t.untyped_storage().nbytes() for out in self._outputs.values() for t in out if t is not None)
         self.pool_bytes = max(0, torch.cuda.memory_reserved(self._device) - reserved - outputs)
         self._ledger.track("cuda_graphs", "cuda_graph.pool", self._graphs, nbytes=self.pool_bytes,
                            device=str(self._device))
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
 
-    def _run(self, model: torch.nn.Module, key: GraphKey, kv_cache: KVCache) -> torch.Tensor:
-        views = self._inputs.graph_views(*key)
-        return model(views["input_ids"], views["positions"], kv_cache)
+    @staticmethod
+    def _begin_piece(pieces: list[torch.cuda.CUDAGraph], pool) -> None:
+        """End the capture of the current piece (if any) and begin the next, in the same memory pool."""
+        if pieces:
+            pieces[-1].capture_end()
+        pieces.append(torch.cuda.CUDAGraph())
+        pieces[-1].capture_begin(pool=pool)
 
-    def replay(self, key: GraphKey) -> torch.Tensor:
-        """Run the captured step ``key`` on what the step inputs hold now; final hidden states (padded rows too)."""
-        self._graphs[key].replay()
+    @staticmethod
+    def piece_bounds(num_layers: int) -> list[int]:
+        """Layer indices where a step's graph is cut: 1, 3, 7, ... (pieces of 1, 2, 4, ... layers).
+
+        Why pieces: launching a graph costs the host ~0.4 us per kernel, and
+        the GPU starts only when the launch returns. A whole 1B-model step is
+        ~150 kernels, ~60 us of idle GPU per step at batch 1. A first piece of
+        one layer starts the GPU after a few microseconds; each further piece
+        is launched while the one before it runs, and is at most twice as long.
+        """
+        bounds, n = [], 1
+        while n < num_layers:
+            bounds.append(n)
+            n = 2 * n + 1
+        return bounds
+
+    def _run(self, model: torch.nn.Module, key: GraphKey, kv_cache: KVCache, next_piece=None) -> GraphOutput:
+        """One decode step through ``model``; ``next_piece`` (capture) is called before each piece."""
+        views = self._inputs.graph_views(*key)
+        num_layers = len(model.model.layers)
+        state, start = None, 0
+        for end in self.piece_bounds(num_layers) + [num_layers]:
+            if next_piece is not None:
+                next_piece()
+            if state is None:
+                state = model.embed(views["input_ids"], views["positions"])
+            state = model.run_layers(state, kv_cache, start, end)
+            start = end
+        hidden = model.final_norm(state)
+        if key[0] * key[1] > self.LOGITS_MAX_ROWS:
+            return GraphOutput(hidden, None, None)
+        logits = model.logits(hidden)
+        return GraphOutput(None, logits, model.ops.argmax(logits))
+
+    def replay(self, key: GraphKey) -> GraphOutput:
+        """Run the captured step ``key`` on what the step inputs hold now; its outputs (padded rows too)."""
+        for piece in self._graphs[key]:
+            piece.replay()
         return self._outputs[key]
 
     def release(self) -> None:

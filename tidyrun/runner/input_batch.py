@@ -117,8 +117,12 @@ class StepInputs:
     pinned host buffer of the same size. CUDA graphs capture views of the
     device buffer (``graph_views``), so it must outlive them (it is
     acquired before them and released after them). The pinned host buffer
-    is tracked as ``inputs_host``.
+    is tracked as ``inputs_host``. Also the split kernels' arrival counters
+    (``counters``, int32, zero between kernels), which every step's metadata
+    carries and graphs capture.
     """
+
+    NUM_COUNTERS = 4096  # output tiles of a split product / (tile, KV head) pairs of split attention
 
     def __init__(self, block_size: int, group: int, num_kv_heads: int, max_tokens: int, max_seqs: int,
                  max_blocks: int, device: torch.device, ledger: ResourceLedger) -> None:
@@ -132,7 +136,10 @@ class StepInputs:
         self.host_buf = ledger.track("inputs_host", "inputs.host",
                                      torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda"))
         self._host = self.host_buf.numpy()
+        self.counters = ledger.track("inputs", "inputs.counters",
+                                     torch.zeros(self.NUM_COUNTERS, dtype=torch.int32, device=device))
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     @staticmethod
     def _graph_offsets(size: int, q: int) -> dict[str, int]:
@@ -142,7 +149,13 @@ class StepInputs:
                     block_tables=3 * t + 2 * size + 1)
 
     def graph_views(self, size: int, q: int) -> dict[str, torch.Tensor]:
-        """Views of the device buffer that the CUDA graph of ``size`` sequences x ``q`` tokens reads."""
+        """Views of the device buffer that the CUDA graph of ``size`` sequences x ``q`` tokens reads
+        (made once per graph: slicing six views costs a decode step ~10 us of host time)."""
+        if (size, q) not in self._views:
+            self._views[(size, q)] = self._make_graph_views(size, q)
+        return self._views[(size, q)]
+
+    def _make_graph_views(self, size: int, q: int) -> dict[str, torch.Tensor]:
         t, at, buf = size * q, self._graph_offsets(size, q), self.device_buf
         lengths = dict(input_ids=t, positions=t, slot_mapping=t, query_start_loc=size + 1, seq_lens=size,
                        block_tables=size * self.max_blocks)
@@ -182,7 +195,7 @@ class StepInputs:
                                  block_tables=v[8].view(seqs, width), max_query_len=max(h.query_lens),
                                  max_seq_len=max(h.seq_lens), tile_seq=v[6], tile_q0=v[7],
                                  block_q=block_q, block_m=block_m,
-                                 splits=tile_splits(seqs, self.num_kv_heads, block_q))
+                                 splits=tile_splits(seqs, self.num_kv_heads, block_q), counters=self.counters)
         return InputBatch(v[0], v[1], meta, v[3])
 
     def _build_graph_step(self, h: HostBatch, size: int, q: int) -> InputBatch:

@@ -29,6 +29,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -95,6 +96,12 @@ def _name_tensor_pairs(items):
         yield item
 
 
+class StepLogits(NamedTuple):
+    """A step's logits (model dtype) of the rows that sample, and their argmax when the CUDA graph took it."""
+    logits: torch.Tensor
+    greedy: torch.Tensor | None
+
+
 class ModelRunner:
     def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int],
                  keep_host_buffers: bool = True, tp: TPRank | None = None) -> None:
@@ -159,7 +166,7 @@ class ModelRunner:
             raise InvalidRequestError("kernels='triton' needs a CUDA device; the CPU runs kernels='torch'")
         if kernels == "torch":
             return TorchOps()
-        return TritonOps(torch.cuda.get_device_properties(self.device).multi_processor_count)
+        return TritonOps(torch.cuda.get_device_properties(self.device).multi_processor_count, self.ctx)
 
     def _graph_summary(self) -> str:
         if self.graphs is None:
@@ -439,7 +446,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, host: HostBatch, graph: tuple[int, int] | None = None,
-                       all_rows: bool = False) -> torch.Tensor | None:
+                       all_rows: bool = False) -> StepLogits | None:
         """Run the model on one step's inputs: logits (model dtype) of the rows that sample (``all_rows``: of
         every row), or None when no row samples. Tensor-parallel ranks other than 0 run the same forward and
         collectives and get None: only rank 0 receives logits.
@@ -447,14 +454,18 @@ class ModelRunner:
         self.check_awake()
         inputs = self._build_inputs(host, graph)
         if inputs.graph is not None:  # every real row samples: one per sequence, plus one per draft
-            hidden = self.graphs.replay(inputs.graph)[:inputs.num_rows]
+            out, rows = self.graphs.replay(inputs.graph), inputs.num_rows
+            if out.logits is not None:
+                return StepLogits(out.logits[:rows], out.greedy[:rows])
+            hidden = out.hidden[:rows]
         else:
             hidden = self._forward(inputs)
             if not all_rows:
                 hidden = hidden[inputs.logits_indices]
         if not all_rows and not host.logits_indices:
             return None
-        return self.model.logits(hidden)
+        logits = self.model.logits(hidden)
+        return None if logits is None else StepLogits(logits, None)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
@@ -465,19 +476,20 @@ class ModelRunner:
         """
         self.check_awake()
         host, seqs = host_batch(batch, self.block_size)
-        logits = self.forward_logits(host, self._graph_key(batch) if self.graphs is not None else None)
+        step = self.forward_logits(host, self._graph_key(batch) if self.graphs is not None else None)
         if not seqs:
             return []
+        logits, greedy = step
         drafts = any(s.draft_tokens for s in seqs)
         if all(s.params.greedy for s in seqs):  # one argmax and one copy to the host for the whole batch
             if not drafts:
-                self._ban_stop_tokens_below_min(logits, seqs)
-                return [(s, [t]) for s, t in zip(seqs, self.ops.argmax(logits).tolist())]
+                if self._ban_stop_tokens_below_min(logits, seqs) or greedy is None:
+                    greedy = self.ops.argmax(logits)
+                return [(s, [t]) for s, t in zip(seqs, greedy.tolist())]
             starts = list(itertools.accumulate((1 + len(s.draft_tokens) for s in seqs), initial=0))
-            for seq, row in zip(seqs, starts):
-                if not seq.draft_tokens:
-                    self._ban_stop_tokens_below_min(logits[row:row + 1], [seq])
-            targets = self.ops.argmax(logits).tolist()
+            banned = [self._ban_stop_tokens_below_min(logits[row:row + 1], [seq])
+                      for seq, row in zip(seqs, starts) if not seq.draft_tokens]
+            targets = (self.ops.argmax(logits) if any(banned) or greedy is None else greedy).tolist()
             return [(s, accept_greedy(s.draft_tokens, targets[row:row + 1 + len(s.draft_tokens)]))
                     for s, row in zip(seqs, starts)]
         logits = logits.float()
@@ -501,7 +513,7 @@ class ModelRunner:
     def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Float32 logits [T, vocab] of every token of a single-sequence batch (scoring, tests)."""
         self.check_awake()
-        return self.forward_logits(host_batch(batch, self.block_size)[0], all_rows=True).float()
+        return self.forward_logits(host_batch(batch, self.block_size)[0], all_rows=True).logits.float()
 
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]], pooling: str, normalized: bool, max_batch_tokens: int) -> torch.Tensor:
@@ -521,12 +533,16 @@ class ModelRunner:
                 rows[i] = row
         return torch.stack(rows)
 
-    def _ban_stop_tokens_below_min(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _ban_stop_tokens_below_min(self, logits: torch.Tensor, seqs: list[Sequence]) -> bool:
+        """Mask the stop tokens of sequences still below ``min_tokens``; whether any row changed."""
+        changed = False
         for row, seq in enumerate(seqs):
             if seq.below_min_tokens():
                 banned = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(self.eos_token_ids))
                 if banned:
                     logits[row, sorted(banned)] = float("-inf")
+                    changed = True
+        return changed
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
