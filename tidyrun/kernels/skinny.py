@@ -34,9 +34,8 @@ class SkinnyConfig(NamedTuple):
 
 
 @triton.jit
-def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, res_ptr, norm_w_ptr, res_out_ptr,
-                          M, N, K, stride_x, eps,
-                          K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x,
+                          K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                           FINISH_IN_KERNEL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -44,30 +43,12 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, res
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_k * K_PER_SPLIT
-    dtype = out_ptr.dtype.element_ty
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:  # x := RMSNorm(x + residual) * norm_w; each program takes the rows' statistics itself (from L2)
-        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            xm = (rm[:, None] < M) & (rk[None, :] < K)
-            s = (tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=xm, other=0.0).to(tl.float32)
-                 + tl.load(res_ptr + rm[:, None] * K + rk[None, :], mask=xm, other=0.0).to(tl.float32))
-            s = s.to(dtype).to(tl.float32)
-            squares += tl.sum(s * s, axis=1)
-        rstd = tl.rsqrt(squares / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up half, rows N..2N of the weight
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):  # a compile-time trip count: one variant per layer shape
         rk = k_lo + k0 + tl.arange(0, BLOCK_K)
-        xm = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=xm, other=0.0)
-        if NORM:  # rounded where add_rms_norm rounds; the first column of programs writes x + residual
-            s = (x.to(tl.float32) + tl.load(res_ptr + rm[:, None] * K + rk[None, :], mask=xm, other=0.0)
-                 .to(tl.float32)).to(dtype)
-            tl.store(res_out_ptr + rm[:, None] * K + rk[None, :], s, mask=xm & (pid_n == 0))
-            normed = (s.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
-            x = (tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :] * normed).to(dtype)
+        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                    other=0.0)
         w_mask = (rn[None, :] < N) & (rk[:, None] < K)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None], mask=w_mask, other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
@@ -75,6 +56,7 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, res
             w_up = tl.load(w_ptr + (rn[None, :] + N).to(tl.int64) * K + rk[:, None], mask=w_mask, other=0.0)
             acc_up = tl.dot(x, w_up, acc_up, input_precision=DOT_PRECISION)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
+    dtype = out_ptr.dtype.element_ty
     if GATED:  # silu(gate) * up, rounded where the unfused path (product, then silu_mul) rounds
         gate = acc.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -119,7 +101,7 @@ def _sum_splits_kernel(part_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, S
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig,
-                  counters: torch.Tensor | None = None, gated: bool = False, norm: tuple | None = None) -> torch.Tensor:
+                  counters: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M <= 16, K] (last dim contiguous) and a contiguous weight [N, K].
 
     ``gated``: the weight is [2I, K], gate rows then up rows, and the result is
@@ -131,18 +113,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``counters``: a zeroed int32 buffer with an entry per output tile; given
     one, a split reduction is finished by its last program instead of a
     second kernel (one launch fewer, the same bits). The kernel leaves it zeroed.
-
-    ``norm``: (residual, norm_weight, residual_out, eps): the product is of
-    ``RMSNorm(x + residual) * norm_weight`` instead of x, and ``x + residual``
-    is written to ``residual_out`` (no split; see ``skinny_norm_gated``).
     """
     rows = x.shape[0]
     n, k = weight.shape
-    if gated and (bias is not None or cfg.split_k != 1):
-        raise ValueError("a gated skinny product takes no bias and no split of the reduction")
-    if norm is not None and cfg.split_k != 1:
-        raise ValueError("a skinny product with the RMSNorm prologue takes no split of the reduction")
     if gated:
+        if bias is not None or cfg.split_k != 1:
+            raise ValueError("a gated skinny product takes no bias and no split of the reduction")
         n //= 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
@@ -152,30 +128,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     tiles = triton.cdiv(n, cfg.block_n)
     finish = split > 1 and counters is not None and counters.numel() >= tiles
     part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
-    res, norm_w, res_out, eps = norm if norm is not None else (x, x, x, 0.0)  # (residual, weight, out, eps)
     _skinny_matmul_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else weight, out, part, counters if finish else out, res, norm_w, res_out,
-        rows, n, k, x.stride(0), eps, K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, GATED=gated,
-        NORM=norm is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
-        FINISH_IN_KERNEL=finish, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-        num_stages=cfg.stages)
+        x, weight, bias if bias is not None else weight, out, part, counters if finish else out, rows, n, k,
+        x.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=MAX_ROWS,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, FINISH_IN_KERNEL=finish,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=cfg.stages)
     if split > 1 and not finish:
         block = 1024
         _sum_splits_kernel[(rows, triton.cdiv(n, block))](part, bias if bias is not None else weight, out, rows, n,
                                                           HAS_BIAS=bias is not None, SPLIT=split, BLOCK=block)
     return out
-
-
-def skinny_norm_gated(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      weight: torch.Tensor, cfg: SkinnyConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(silu(h gate^T) * (h up^T), x + residual)`` with ``h = RMSNorm(x + residual) * norm_weight``:
-    a decoder layer's post-attention add-and-norm and its MLP up to the down
-    projection, in one kernel. Every program recomputes the rows' sum of
-    squares (16 rows x hidden, from L2): cheaper than a launch of its own.
-    """
-    residual_out = torch.empty_like(residual)
-    out = skinny_linear(x, weight, None, cfg, gated=True, norm=(residual, norm_weight, residual_out, eps))
-    return out, residual_out
 
 
 def skinny_config(n: int, k: int, num_sms: int) -> SkinnyConfig | None:

@@ -94,13 +94,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * shard.intermediate_size, False, ops, dtype)
         self.down_proj = Linear(shard.intermediate_size, cfg.hidden_size, False, ops, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP of ``norm(x + residual)``; returns (its output, x + residual). The add-and-norm is
-        taken here, not by the layer, so that a few-row step does it inside the gate/up kernel."""
-        act, residual = self._ops.add_rms_norm_linear_silu_mul(x, residual, norm.weight, norm.eps,
-                                                               self.gate_up_proj.weight)
-        out = self.down_proj(act)
-        return (out if self._tp is None else self._tp.all_reduce(out)), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(self._ops.linear_silu_mul(x, self.gate_up_proj.weight))
+        return out if self._tp is None else self._tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,7 +111,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, residual, rope, kv_cache):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, rope, kv_cache)
-        return self.mlp(h, residual, self.post_attention_layernorm)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):

@@ -51,12 +51,6 @@ class TorchOps:
         """``silu(x gate^T) * (x up^T)`` for a weight [2I, in] holding the gate rows then the up rows."""
         return self.silu_mul(self.linear(x, weight, None))
 
-    def add_rms_norm_linear_silu_mul(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                                     eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's post-attention add-and-norm then ``linear_silu_mul``: (activation, x + residual)."""
-        h, residual = self.add_rms_norm(x, residual, norm_weight, eps)
-        return self.linear_silu_mul(h, weight), residual
-
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
         """What each layer's ``rope_and_store`` needs: here, the gathered cos/sin rows."""
         return rotary(positions, dtype)
@@ -122,13 +116,6 @@ class TritonOps(TorchOps):
         if tile is None:
             return self.silu_mul(F.linear(x, weight))
         return self._skinny.skinny_linear(x, weight, None, tile, gated=True)
-
-    def add_rms_norm_linear_silu_mul(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                                     eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tile = self._tile(x, weight, gated=True)
-        if tile is None or not (x.is_contiguous() and residual.is_contiguous()):
-            return super().add_rms_norm_linear_silu_mul(x, residual, norm_weight, eps, weight)
-        return self._skinny.skinny_norm_gated(x, residual, norm_weight, eps, weight, tile)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._skinny.argmax_rows(logits)

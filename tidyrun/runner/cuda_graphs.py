@@ -176,19 +176,18 @@ class CudaGraphManager:
 
     @staticmethod
     def piece_bounds(num_layers: int) -> list[int]:
-        """Layer indices where a step's graph is cut: 1, 5, 21, ... (pieces of 1, 4, 16, ... layers).
+        """Layer indices where a step's graph is cut: 1, 3, 7, ... (pieces of 1, 2, 4, ... layers).
 
         Why pieces: launching a graph costs the host ~0.4 us per kernel, and
         the GPU starts only when the launch returns. A whole 1B-model step is
         ~150 kernels, ~60 us of idle GPU per step at batch 1. A first piece of
         one layer starts the GPU after a few microseconds; each further piece
-        is launched while the one before it runs, and is at most four times
-        as long. (Each cut costs ~4 us between graphs, so not more pieces.)
+        is launched while the one before it runs, and is at most twice as long.
         """
         bounds, n = [], 1
         while n < num_layers:
             bounds.append(n)
-            n = 4 * n + 1
+            n = 2 * n + 1
         return bounds
 
     def _run(self, model: torch.nn.Module, key: GraphKey, kv_cache: KVCache, next_piece=None) -> GraphOutput:
