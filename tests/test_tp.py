@@ -226,6 +226,15 @@ def test_worker_start_failure_is_reported_by_the_driver(uneven_dir, monkeypatch)
     assert multiprocessing.active_children() == before
 
 
+def test_config_refused_by_the_driver_leaves_no_worker(uneven_dir):
+    """A setting the driver's runner refuses before it owns anything (here max_model_len) still ends the
+    workers it had already started."""
+    before = multiprocessing.active_children()
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        LLM(uneven_dir, device="cpu", dtype="float32", tensor_parallel_size=2, max_model_len=100_000)
+    assert multiprocessing.active_children() == before
+
+
 _ORPHAN_SCRIPT = """
 import os, signal, sys
 from tidyrun import LLM

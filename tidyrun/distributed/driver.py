@@ -81,7 +81,14 @@ class TPDriverRunner(ModelRunner):
             group.destroy()
             raise
         tp = TPRank(TPShard.of(source.config, 0, world), group, self.pool.agree_num_blocks)
-        super().__init__(source, config, eos_token_ids, keep_host_buffers, tp)
+        try:
+            super().__init__(source, config, eos_token_ids, keep_host_buffers, tp)
+        except BaseException:
+            if getattr(self, "shutdown_report", None) is None:  # refused before its own clean-up (bad config)
+                self.pool.kill()
+                self.pool.close()
+                group.destroy()
+            raise
         self.pool.watch(self.tp_group.abort)
 
     # -- failures --------------------------------------------------------------------
@@ -91,6 +98,7 @@ class TPDriverRunner(ModelRunner):
         self._failure = str(error)
         logger.error("tensor-parallel engine stopped: %s", error)
         self.pool.kill()
+        self.tp_group.abort()  # NCCL: an orderly shutdown would wait for collectives that cannot finish
         self.tp_group.destroy()
         return error
 

@@ -95,27 +95,36 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     except BaseException as exc:  # the runner released what it took; report why and end
         _reply(conn, _error(exc))
         return
+    orderly = False
     try:
-        _serve(runner, conn, spec.parent_pid)
+        orderly = _serve(runner, conn, spec.parent_pid)
     finally:
+        if not orderly:
+            # The driver is gone or the ranks are out of step: a collective of ours may wait on a peer
+            # that will never join, and shutdown's device synchronize would wait with it (NCCL has no
+            # peer-death check; its watchdog fires only after the timeout). Abort the group first.
+            runner.tp_group.abort()
         runner.shutdown()
         conn.close()
 
 
-def _serve(runner, conn: Connection, parent_pid: int) -> None:
+def _serve(runner, conn: Connection, parent_pid: int) -> bool:
+    """Run the driver's commands; True once it asked for an orderly shutdown, False if it vanished or the
+    ranks fell out of step."""
     while (msg := _next_command(conn, parent_pid)) is not None:
         op, args = msg[0], msg[1:]
         if op == "shutdown":
             _reply(conn, ("ok", runner.shutdown()))
-            return
+            return True
         try:
             value = _run(runner, op, args)
         except BaseException as exc:
             if not _reply(conn, _error(exc)) or op in ("step", "update_weights"):
-                return  # the ranks are out of step (or the driver is gone): end, so no collective waits on us
+                return False  # the ranks are out of step (or the driver is gone): end, so no collective waits on us
             continue
         if op != "step" and not _reply(conn, ("ok", value)):
-            return
+            return False
+    return False
 
 
 def _run(runner, op: str, args: tuple):
