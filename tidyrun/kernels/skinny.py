@@ -9,9 +9,9 @@ output tiles and, where the grid is still small, a split of the reduction
 whose partial sums are added in a fixed order (so every run gives the same
 bits) by the last program of each tile to finish, or by a second kernel when
 no arrival counters are at hand. The MLP's gate/up product can end with the
-SiLU-mul, one kernel and one round trip through memory fewer per layer. torch's argmax over a 128k vocabulary row
-is one block's reduction (~28 us); two passes over 4096-wide slices take a
-few microseconds.
+SiLU-mul, one kernel and one round trip through memory fewer per layer.
+torch's argmax over a 128k vocabulary row is one block's reduction (~28 us);
+two passes over 4096-wide slices take a few microseconds.
 """
 
 from __future__ import annotations
@@ -128,15 +128,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     tiles = triton.cdiv(n, cfg.block_n)
     finish = split > 1 and counters is not None and counters.numel() >= tiles
     part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else weight  # any pointer: HAS_BIAS=False never reads it
     _skinny_matmul_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else weight, out, part, counters if finish else out, rows, n, k,
+        x, weight, b, out, part, counters if finish else out, rows, n, k,
         x.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=MAX_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, FINISH_IN_KERNEL=finish,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=cfg.stages)
     if split > 1 and not finish:
         block = 1024
-        _sum_splits_kernel[(rows, triton.cdiv(n, block))](part, bias if bias is not None else weight, out, rows, n,
-                                                          HAS_BIAS=bias is not None, SPLIT=split, BLOCK=block)
+        _sum_splits_kernel[(rows, triton.cdiv(n, block))](part, b, out, rows, n, HAS_BIAS=bias is not None,
+                                                          SPLIT=split, BLOCK=block)
     return out
 
 
@@ -164,7 +165,7 @@ def skinny_config(n: int, k: int, num_sms: int) -> SkinnyConfig | None:
                         split_k=split, stages=4)
 
 
-def gated_config(n: int, k: int, num_sms: int) -> SkinnyConfig | None:
+def gated_config(n: int, k: int, num_sms: int) -> SkinnyConfig:
     """The tile of the MLP's gate/up product with its SiLU-mul epilogue, for a weight [n = 2I, k].
 
     Each program reads a gate tile and the matching up tile; output tiles

@@ -114,7 +114,7 @@ class TritonOps(TorchOps):
     def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         tile = self._tile(x, weight, gated=True)
         if tile is None:
-            return self.silu_mul(F.linear(x, weight))
+            return super().linear_silu_mul(x, weight)
         return self._skinny.skinny_linear(x, weight, None, tile, gated=True)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

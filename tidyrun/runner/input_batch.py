@@ -122,7 +122,7 @@ class StepInputs:
     carries and graphs capture.
     """
 
-    NUM_COUNTERS = 4096  # output tiles of a split product / (tile, KV head) pairs of split attention
+    NUM_COUNTERS = 4096  # output tiles of one split skinny product (at most 4096 / 32 = 128 in use)
 
     def __init__(self, block_size: int, group: int, num_kv_heads: int, max_tokens: int, max_seqs: int,
                  max_blocks: int, device: torch.device, ledger: ResourceLedger) -> None:
