@@ -186,10 +186,10 @@ def test_twenty_sleep_wake_cycles_without_growth(engine):
 
 def test_host_buffer_is_reused_across_level1_sleeps(engine):
     engine.sleep()
-    first = engine.runner.arena.host
+    first = engine.runner.host_weights.host
     engine.wake_up()
     engine.sleep()
-    assert engine.runner.arena.host is first
+    assert engine.runner.host_weights.host is first
     engine.wake_up()
 
 
@@ -214,10 +214,10 @@ def test_shutdown_while_asleep_is_clean(tiny_llama_dir):
 def test_failed_sleep_leaves_the_engine_awake_and_usable(engine, monkeypatch):
     before = greedy(engine)
 
-    def fail():
+    def fail(transition):
         raise MemoryError("no pinned host memory left")
 
-    monkeypatch.setattr(engine.runner.arena, "offload", fail)
+    monkeypatch.setattr(engine.runner.host_weights, "sleep", fail)
     with pytest.raises(MemoryError):
         engine.sleep(level=1)
     monkeypatch.undo()
@@ -230,14 +230,46 @@ def test_failed_wake_stays_asleep_and_can_be_retried(engine, monkeypatch):
     engine.sleep(level=1)
 
     def fail():
-        raise RuntimeError("capture failed")
+        raise RuntimeError("no memory for the KV cache")
 
-    monkeypatch.setattr(engine.runner, "_build_step_state", fail)
-    with pytest.raises(RuntimeError, match="capture failed"):
+    monkeypatch.setattr(engine.runner.kv, "acquire", fail)
+    with pytest.raises(RuntimeError, match="KV cache"):
         engine.wake_up()
-    assert engine.is_sleeping and engine.runner.sleeping == {"kv_cache"}
+    # All or nothing: the weights that came back in this call went again; only the host copy holds memory.
+    assert engine.is_sleeping and engine.runner.sleeping == {"weights", "kv_cache"}
+    assert set(engine.runner.ledger.bytes_by_owner()) == {"host_weights"}
     with pytest.raises(EngineSleepingError):
         engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()
     engine.wake_up()
     assert greedy(engine) == before
+
+
+def test_failed_level2_wake_gives_the_weights_back(tiny_llama_dir, monkeypatch):
+    """A checkpoint that breaks half-way through a level-2 wake: back to a clean level-2 sleep, not stuck."""
+    llm = LLM(tiny_llama_dir, device="cpu")
+    before = greedy(llm)
+    llm.sleep(level=2)
+    source = llm.runner.source
+    real = source.iter_weights
+
+    def broken():
+        for i, item in enumerate(real()):
+            if i == 5:
+                raise OSError("checkpoint shard vanished")
+            yield item
+
+    monkeypatch.setattr(source, "iter_weights", broken)
+    with pytest.raises(OSError, match="vanished"):
+        llm.wake_up(["weights"])
+    assert llm.is_sleeping and llm.runner.sleeping == {"weights", "kv_cache"}
+    assert llm.runner.ledger.bytes_by_owner() == {}  # the half-filled weight buffer is gone
+    monkeypatch.undo()
+    llm.wake_up()
+    assert greedy(llm) == before
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert greedy(llm) == before
+    refs = [e.ref for e in llm.runner.ledger.entries()]
+    assert llm.shutdown().clean
+    assert all(r() is None for r in refs)

@@ -98,6 +98,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 speculative=SpeculativeConfig.from_value(speculative), enforce_eager=enforce_eager,
                 cuda_graph_sizes=cuda_graph_sizes, kernels=kernels, tensor_parallel_size=tensor_parallel_size,
+                keep_host_buffers=keep_host_buffers,
                 cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_bytes=kv_cache_memory,
                                   gpu_memory_utilization=gpu_memory_utilization),
             )
@@ -107,7 +108,7 @@ class LLM:
         self.tokenizer = self.source.load_tokenizer()
         try:
             runner_class = ModelRunner if config.tensor_parallel_size == 1 else TPDriverRunner
-            self.runner = runner_class(self.source, config, self.tokenizer.eos_token_ids, keep_host_buffers)
+            self.runner = runner_class(self.source, config, self.tokenizer.eos_token_ids)
         except BaseException as exc:
             drop_traceback_locals(exc)  # the runner already released what it took
             raise
@@ -521,11 +522,18 @@ class LLM:
         runner, self.runner = self.runner, None
         try:
             runner.shutdown(strict=strict)
+        except BaseException as exc:
+            failure = f"shutdown failed: {type(exc).__name__}: {exc}"
+            raise
+        else:
+            failure = None
         finally:
-            # Kept even when strict shutdown raises, so a later call reports the same survivors.
-            report = runner.shutdown_report or ShutdownReport()
+            # Kept even when shutdown raises, so a later call reports the same survivors; a shutdown that
+            # broke off before its report says so instead of passing for clean.
+            report = runner.shutdown_report or ShutdownReport(errors=[failure or "shutdown did not complete"])
             self._report = EngineShutdownReport(report.released_bytes, report.survivors, report.seconds,
-                                                aborted, unclaimed, runner.rank_reports())
+                                                report.errors, aborted=aborted, unclaimed=unclaimed,
+                                                ranks=runner.rank_reports())
             del runner, report
         return self._report
 

@@ -62,15 +62,18 @@ def sample_memory(device: torch.device | str = "cpu", collect: bool = True) -> M
 
 
 def initialize_cuda(device: torch.device | str = "cuda") -> tuple[MemorySample, MemorySample]:
-    """Create the CUDA context and cuBLAS's per-process state; return readings after each.
+    """Create the CUDA context and the process's cuBLAS state; return readings after each.
 
     The first GEMM of a process creates cuBLAS/cuBLASLt handles and loads
-    their kernels (about 86 MiB at the driver on an H200 with torch 2.11).
-    torch keeps those handles until the process exits and offers no call to
-    release them, so they belong to the process, not to any engine: leftover
-    memory is judged against the second reading. Both are returned so the
-    first can be reported too.
+    their kernels (about 86 MiB at the driver on an H200 with torch 2.11),
+    and the graph capture stream gets its cuBLAS workspace
+    (``resources.capture_stream``). torch keeps those until the process exits
+    and offers no safe call to release them, so they belong to the process,
+    not to any engine: leftover memory is judged against the second reading.
+    Both are returned so the first can be reported too.
     """
+    from .resources import capture_stream, free_device_caches
+
     device = torch.device(device)
     torch.cuda.init()
     torch.zeros(1, device=device)
@@ -81,7 +84,6 @@ def initialize_cuda(device: torch.device | str = "cuda") -> tuple[MemorySample, 
         a = torch.ones(64, 64, device=device, dtype=dtype)
         (a @ a).sum().item()
         del a
-    from .resources import free_device_caches
-
+    capture_stream(device)
     free_device_caches(device)
     return context, sample_memory(device)

@@ -32,7 +32,7 @@ from ..runner.model_runner import ModelRunner, ShutdownReport, StepLogits, _name
 from .group import TPGroup
 from .pool import WorkerPool
 from .rank import TPRank
-from .sharding import TPShard
+from ..model.sharding import TPShard
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a collective (or the rendezvous) that waits longer fails instead of hanging
 
@@ -65,8 +65,7 @@ class TPDriverRunner(ModelRunner):
     back as ``worker_reports`` (None for a worker that had died).
     """
 
-    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int],
-                 keep_host_buffers: bool = True) -> None:
+    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
         world = config.tensor_parallel_size
         device = resolve_device(config.device)
         check_tensor_parallel_size(world, source.config, device)
@@ -75,14 +74,14 @@ class TPDriverRunner(ModelRunner):
         group = TPGroup(0, world, device, COLLECTIVE_TIMEOUT_S)
         configs = [dataclasses.replace(config, device=_rank_device(device, r)) for r in range(1, world)]
         try:
-            self.pool = WorkerPool(world, group.address, configs, eos_token_ids, keep_host_buffers,
+            self.pool = WorkerPool(world, group.address, configs, eos_token_ids,
                                    COLLECTIVE_TIMEOUT_S)
         except BaseException:
             group.destroy()
             raise
         tp = TPRank(TPShard.of(source.config, 0, world), group, self.pool.agree_num_blocks)
         try:
-            super().__init__(source, config, eos_token_ids, keep_host_buffers, tp)
+            super().__init__(source, config, eos_token_ids, tp)
         except BaseException:
             if getattr(self, "shutdown_report", None) is None:  # refused before its own clean-up (bad config)
                 self.pool.kill()

@@ -35,7 +35,7 @@ import torch
 from ..attention import AttentionMetadata, ForwardContext
 from ..attention.metadata import tile_shape, tile_splits
 from ..kv_cache import KVCache
-from ..resources import ResourceLedger
+from ..resources import ResourceLedger, capture_stream
 from .input_batch import StepInputs
 
 GraphKey = tuple[int, int]  # (sequences, query tokens per sequence)
@@ -134,7 +134,7 @@ class CudaGraphManager:
         torch.cuda.empty_cache()  # warm-up activations out of the reading below
         reserved = torch.cuda.memory_reserved(self._device)
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self._device)
+        stream = capture_stream(self._device)
         for key in reversed(keys):
             name = f"cuda_graph.bs={key[0]}.q={key[1]}"
             pieces: list[torch.cuda.CUDAGraph] = []

@@ -23,7 +23,7 @@ import torch
 
 from ..attention import AttentionMetadata
 from ..attention.metadata import list_tiles, tile_shape, tile_splits
-from ..resources import ResourceLedger
+from ..resources import ResourceLedger, pinned_host_buffer, unpin_host_buffer
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 
@@ -114,7 +114,7 @@ class StepInputs:
     """The staging buffers every Triton-path step's integer inputs travel through, in one copy.
 
     Owns device memory: one int64 buffer (ledger owner ``inputs``), and a
-    pinned host buffer of the same size. CUDA graphs capture views of the
+    pinned host buffer of the same size (``release`` unpins it). CUDA graphs capture views of the
     device buffer (``graph_views``), so it must outlive them (it is
     acquired before them and released after them). The pinned host buffer
     is tracked as ``inputs_host``. Also the split kernels' arrival counters
@@ -133,8 +133,9 @@ class StepInputs:
         # 2 tile arrays (at most one tile per token), block tables. Graph layouts are smaller.
         capacity = 6 * max_tokens + 2 * max_seqs + 1 + max_seqs * max_blocks
         self.device_buf = ledger.track("inputs", "inputs.device", torch.zeros(capacity, dtype=torch.int64, device=device))
-        self.host_buf = ledger.track("inputs_host", "inputs.host",
-                                     torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda"))
+        host = (pinned_host_buffer(capacity, torch.int64) if device.type == "cuda"
+                else torch.zeros(capacity, dtype=torch.int64))
+        self.host_buf = ledger.track("inputs_host", "inputs.host", host)
         self._host = self.host_buf.numpy()
         self.counters = ledger.track("inputs", "inputs.counters",
                                      torch.zeros(self.NUM_COUNTERS, dtype=torch.int32, device=device))
@@ -179,6 +180,11 @@ class StepInputs:
         self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+
+    def release(self) -> None:
+        """Unpin the host buffer (its pages go back to the OS once the last view of it dies)."""
+        if self.host_buf.is_pinned():
+            unpin_host_buffer(self.host_buf)
 
     def build(self, h: HostBatch, graph: tuple[int, int] | None = None) -> InputBatch:
         if graph is not None:

@@ -1,22 +1,24 @@
 """ModelRunner: builds the model and KV cache on a device and runs scheduled batches.
 
-Owns device memory: model weights (``weights``, one WeightArena buffer), the
-RoPE table (``rope``, a buffer of the model), the KV cache (``kv_cache``) and,
-on the Triton path, the step-input buffers (``inputs``) and the CUDA graphs
-with their memory pool (``cuda_graphs``), each registered with
-``self.ledger`` where it is allocated; and, after a level-1 sleep, the pinned
-host copy of the weights (``host_weights``). ``shutdown`` releases them in
-reverse order of acquisition (graphs before the buffers they read, those
-before the KV cache and weights) and then proves, through the ledger's weak
-references, that none survived. ``sleep`` and ``wake_up`` release and
-restore the same components without rebuilding the model; graphs bake in
-buffer addresses, so they are captured again on every wake.
+All device and pinned host memory is held by the rows of one ordered table
+(``self.lifecycle``, see lifecycle.py and components.py), in acquisition
+order:
+
+    weights        the model's parameters, one WeightArena buffer
+    host_weights   the pinned host copy a level-1 sleep keeps
+    rope           the RoPE cos/sin tables
+    kv_cache       the paged KV cache (sized by a KVPlan made before the model exists)
+    process_group  this rank's communicators (tensor parallelism only)
+    inputs         the step-input buffers (Triton path)
+    cuda_graphs    the captured decode steps and their memory pool (Triton path, unless eager)
+
+Start, ``sleep``, ``wake_up``, the level-2 refill of ``update_weights``,
+failure rollback and ``shutdown`` are loops over that table; shutdown then
+proves, through the ledger's weak references, that nothing survived, and
+names whoever holds what did.
 
 As one rank of a tensor-parallel engine (``tp``), the runner holds only its
-slice of the weights and KV heads and owns the rank's ``TPGroup`` (its
-communicators, ledger owner ``process_group``): shutdown destroys the group
-after the CUDA graphs and the KV cache (acquired later, released earlier) and
-then verifies, like every tensor, that the group object is dead. The same
+slice of the weights and KV heads and its group's communicators. The same
 code runs the driver (rank 0, which samples) and the workers (forward only,
 see ``forward_logits``).
 """
@@ -34,32 +36,28 @@ from typing import NamedTuple
 import torch
 
 from ..attention import ForwardContext
-from ..config import EngineConfig, ModelConfig
-from ..distributed.rank import TPRank
-from ..distributed.sharding import TPShard
 from ..audit import Survivor, survivor, unique_storage_bytes
+from ..config import EngineConfig, ModelConfig
 from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
-                      OutOfResourcesError, ResourceLeakError)
-from ..kv_cache import KVCache, bytes_per_block
+                      ResourceLeakError)
 from ..loader import ModelSource
 from ..model.llama import LlamaForCausalLM
 from ..model.ops import TorchOps, TritonOps
+from ..model.sharding import TPShard
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
 from ..sampling import Sampler
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
-from .device import resolve_device, resolve_dtype, synchronize
-from .cuda_graphs import CudaGraphManager, default_capture_sizes
-from .input_batch import HostBatch, InputBatch, StepInputs, build_reference_batch, host_batch
-from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
-from .weights import WeightArena
 from ..spec_decode import accept_greedy, verify_drafts
-
-SLEEP_TAGS = ("weights", "kv_cache")
+from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
+from .cuda_graphs import CudaGraphManager, default_capture_sizes
+from .device import resolve_device, resolve_dtype, synchronize
+from .input_batch import HostBatch, InputBatch, StepInputs, build_reference_batch, host_batch
+from .kv_plan import plan_kv_cache
+from .lifecycle import SLEEP_TAGS, WEIGHTS, Component, Lifecycle
+from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
 
 logger = logging.getLogger("tidyrun")
-
-_CPU_KV_BUDGET = 1 << 30  # 1 GiB unless the user says otherwise; pages are only touched when used
 
 
 @dataclass
@@ -69,10 +67,11 @@ class ShutdownReport:
     released_bytes: dict[str, int] = field(default_factory=dict)  # by owner, live before release
     survivors: list[Survivor] = field(default_factory=list)
     seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)  # releases that failed (the rest went on)
 
     @property
     def clean(self) -> bool:
-        return not self.survivors
+        return not self.survivors and not self.errors
 
     @property
     def leaked_bytes(self) -> int:
@@ -82,9 +81,10 @@ class ShutdownReport:
     def __str__(self) -> str:
         total = sum(self.released_bytes.values())
         head = f"released {total / 2**20:.1f} MiB ({', '.join(f'{k}={v / 2**20:.1f} MiB' for k, v in self.released_bytes.items())}) in {self.seconds * 1e3:.0f} ms"
-        if self.clean:
-            return head + "; nothing survived"
-        lines = [head, f"{len(self.survivors)} tensor(s) survived shutdown, holding {self.leaked_bytes / 2**20:.1f} MiB:"]
+        lines = [head] + [f"  error: {e}" for e in self.errors]
+        if not self.survivors:
+            return "\n".join(lines) + ("" if self.errors else "; nothing survived")
+        lines += [f"{len(self.survivors)} tensor(s) survived shutdown, holding {self.leaked_bytes / 2**20:.1f} MiB:"]
         lines += [f"  {s.description} ({s.nbytes} bytes) held by {s.chain}" for s in self.survivors]
         return "\n".join(lines)
 
@@ -103,62 +103,106 @@ class StepLogits(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int],
-                 keep_host_buffers: bool = True, tp: TPRank | None = None) -> None:
+    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int], tp=None) -> None:
+        """``tp``: a ``distributed.rank.TPRank`` (its shard, group and block-count agreement) or None."""
         self.ledger = ResourceLedger()
-        self.tp = tp
-        self.tp_group = tp.group if tp is not None else None
         self.closed = False
-        self.source = source
-        self.model: LlamaForCausalLM | None = None
-        self.arena: WeightArena | None = None
-        self.kv_cache: KVCache | None = None
-        self.keep_host_buffers = keep_host_buffers
-        self.sleeping: set[str] = set()  # components released by sleep(), from SLEEP_TAGS
-        self.sleep_level: int | None = None
-        self.last_transfer: dict[str, float] = {}
+        self.shutdown_report: ShutdownReport | None = None
+        self.source, self.config, self.eos_token_ids = source, config, eos_token_ids
+        self.tp_group = tp.group if tp is not None else None
         self.model_config: ModelConfig = source.config
         self.shard = tp.shard if tp is not None else TPShard.of(source.config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.cache.block_size
-        self.max_model_len = self._resolve_max_model_len(config)
-        self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.ctx = ForwardContext()
-        self.config = config
         self.ops = self._choose_ops(config)
         self.graph_sizes = self._graph_sizes(config)
-        self.inputs: StepInputs | None = None
-        self.graphs: CudaGraphManager | None = None
-        self._graphs_warm = False
-        self.shutdown_report: ShutdownReport | None = None
-        self.startup_seconds: dict[str, float] = {}
+        self.last_transfer: dict[str, float] = {}
+        gpu_memory = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
+        self.kv_plan = plan_kv_cache(self.model_config, self.shard, config, self.dtype, gpu_memory)
+        self.max_model_len = self.kv_plan.max_model_len  # fixed before the model exists, never changed
+        self.lifecycle = Lifecycle(self._components(tp))
         try:
-            t0 = time.perf_counter()
-            self._load_model(source)
-            t1 = time.perf_counter()
-            self.num_kv_blocks = self._num_kv_blocks(config)
-            if self.tp_group is not None:
-                self.tp_group.connect()
-                # Tracked (as an object, its communicator memory unmeasured) so shutdown proves it is gone.
-                self.ledger.track("process_group", f"tp_group.rank{self.shard.rank}", self.tp_group.pg, nbytes=0,
-                                  device=str(self.device))
-            self._allocate_kv_cache()
-            synchronize(self.device)
-            t2 = time.perf_counter()
-            self._build_step_state()
-            self.startup_seconds = {"weights": t1 - t0, "kv_cache": t2 - t1,
-                                    "cuda_graphs": self.graphs.capture_seconds if self.graphs else 0.0}
-            logger.info("model runner ready on %s (%s kernels): weights %.2f s, KV cache of %d blocks %.2f s, "
-                        "%s", self.device, self.ops.name, self.startup_seconds["weights"], self.num_kv_blocks,
-                        self.startup_seconds["kv_cache"], self._graph_summary())
+            self.lifecycle.start()
         except BaseException as exc:
             # Give back what was taken before re-raising: the half-built model must not stay
             # alive through the frames of the traceback the caller is about to hold.
             drop_traceback_locals(exc)
             self.shutdown()
             raise
+        self.startup_seconds = dict(self.lifecycle.seconds)
+        logger.info("model runner ready on %s (%s kernels): %s; KV cache of %d blocks; %s", self.device,
+                    self.ops.name, ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_seconds.items()),
+                    self.num_kv_blocks, self._graph_summary())
+
+    def _components(self, tp) -> list[Component]:
+        """The lifecycle table: every owner of device or pinned host memory, in acquisition order."""
+        mc, cfg = self.model_config, self.config
+        self.weights = Weights(self._build_model, self.source, self.device, self.dtype, self.ledger)
+        self.host_weights = HostWeights(self.weights, cfg.keep_host_buffers, self.ledger)
+        self.kv = KVCacheRow(self.kv_plan, (mc.num_layers, self.block_size, self.shard.num_kv_heads, mc.head_dim),
+                             self.dtype, self.device, self.ledger, tp.agree_num_blocks if tp is not None else None)
+        table: list[Component] = [self.weights, self.host_weights, Rope(self.weights, self.ledger), self.kv]
+        if tp is not None:
+            table.append(ProcessGroupRow(tp.group, self.shard.rank, self.device, self.ledger))
+        self.step_inputs = self.cuda_graphs = None
+        if isinstance(self.ops, TritonOps):
+            self.step_inputs = StepInputsRow(self._make_step_inputs)
+            table.append(self.step_inputs)
+            if self.graph_sizes is not None:
+                self.cuda_graphs = CudaGraphsRow(self.graph_sizes, self.weights, self.kv, self.step_inputs,
+                                                 mc.num_heads // mc.num_kv_heads, self.ctx, self.ledger)
+                table.append(self.cuda_graphs)
+        return table
+
+    def _build_model(self) -> LlamaForCausalLM:
+        """The model skeleton on the meta device; the weights row places its parameters."""
+        return LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.dtype, self.ops, self.shard,
+                                self.tp_group)
+
+    def _make_step_inputs(self) -> StepInputs:
+        mc, cfg = self.model_config, self.config
+        # compute_logits() sends a whole prompt (up to max_model_len tokens) through one step.
+        return StepInputs(self.block_size, mc.num_heads // mc.num_kv_heads, self.shard.num_kv_heads,
+                          max(cfg.max_num_batched_tokens, self.max_model_len), cfg.max_num_seqs,
+                          -(-self.max_model_len // self.block_size), self.device, self.ledger)
+
+    # -- what the rows hold (None while released) -----------------------------------------
+
+    @property
+    def model(self) -> LlamaForCausalLM | None:
+        return self.weights.model
+
+    @property
+    def arena(self):
+        return self.weights.arena
+
+    @property
+    def kv_cache(self):
+        return self.kv.cache
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def inputs(self) -> StepInputs | None:
+        return None if self.step_inputs is None else self.step_inputs.inputs
+
+    @property
+    def graphs(self) -> CudaGraphManager | None:
+        return None if self.cuda_graphs is None else self.cuda_graphs.graphs
+
+    @property
+    def sleeping(self) -> set[str]:
+        """The sleep tags whose components are released ("weights", "kv_cache")."""
+        return self.lifecycle.sleeping_tags
+
+    @property
+    def sleep_level(self) -> int | None:
+        return self.lifecycle.level
 
     def _choose_ops(self, config: EngineConfig) -> TorchOps:
         kernels = config.kernels or ("triton" if self.device.type == "cuda" else "torch")
@@ -169,10 +213,11 @@ class ModelRunner:
         return TritonOps(torch.cuda.get_device_properties(self.device).multi_processor_count, self.ctx)
 
     def _graph_summary(self) -> str:
-        if self.graphs is None:
+        graphs = self.graphs
+        if graphs is None:
             return "no CUDA graphs"
-        return (f"{len(self.graphs.keys)} CUDA graphs ({self.graphs.sizes}: batch sizes by tokens per sequence) "
-                f"captured in {self.graphs.capture_seconds:.2f} s, pool {self.graphs.pool_bytes / 2**20:.0f} MiB")
+        return (f"{len(graphs.keys)} CUDA graphs ({graphs.sizes}: batch sizes by tokens per sequence) "
+                f"captured in {graphs.capture_seconds:.2f} s, pool {graphs.pool_bytes / 2**20:.0f} MiB")
 
     def _graph_sizes(self, config: EngineConfig) -> dict[int, tuple[int, ...]] | None:
         """Batch sizes to capture by tokens per sequence (1: decode; k + 1: verifying up to k drafts),
@@ -198,109 +243,6 @@ class ModelRunner:
                 sizes[q] = verify
         return sizes
 
-    def _build_step_state(self) -> None:
-        """Step-input buffers and CUDA graphs (Triton path only); they need the weights and KV cache in place.
-
-        All or nothing: if a capture fails, what was built is dropped before the error propagates.
-        """
-        if not isinstance(self.ops, TritonOps):
-            return
-        mc, cfg = self.model_config, self.config
-        group = mc.num_heads // mc.num_kv_heads
-        # compute_logits() sends a whole prompt (up to max_model_len tokens) through one step.
-        inputs = StepInputs(self.block_size, group, self.shard.num_kv_heads, max(cfg.max_num_batched_tokens, self.max_model_len),
-                            cfg.max_num_seqs, -(-self.max_model_len // self.block_size), self.device, self.ledger)
-        graphs = None
-        if self.graph_sizes is not None:
-            graphs = CudaGraphManager(self.graph_sizes, inputs, group, self.device, self.ledger)
-            try:
-                # Kernels are compiled once per process; a recapture after a wake skips the warm-up runs.
-                graphs.capture(self.model, self.kv_cache, self.ctx, warm_up=not self._graphs_warm)
-            except BaseException:
-                graphs.release()
-                raise
-            self._graphs_warm = True
-        self.inputs, self.graphs = inputs, graphs
-
-    def _drop_step_state(self) -> None:
-        """Graphs first (they read the input buffer and bake in weight/KV addresses), then the buffers."""
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = None
-        self.inputs = None
-
-    def _resolve_max_model_len(self, config: EngineConfig) -> int:
-        limit = self.model_config.max_position_embeddings
-        if config.max_model_len is None:
-            return limit
-        if config.max_model_len > limit:
-            raise InvalidRequestError(
-                f"max_model_len={config.max_model_len} exceeds the model's context length ({limit})"
-            )
-        return config.max_model_len
-
-    def _load_model(self, source: ModelSource) -> None:
-        self.model = LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.dtype, self.ops,
-                                      self.shard, self.tp_group)
-        self.arena = WeightArena(self.model, self.device, self.dtype, self.ledger, self.keep_host_buffers)
-        self._place_weights()
-        self.model.load_weights(source.iter_weights())
-
-    def _place_weights(self) -> None:
-        """Allocate the weight buffer and the RoPE table (contents of the weights still to be filled)."""
-        self.arena.materialize()
-        self._build_rope()
-
-    def _build_rope(self) -> None:
-        rotary = self.model.model.rotary
-        rotary.build(self.device)
-        self.ledger.track("rope", "rope.cos", rotary.cos)
-        self.ledger.track("rope", "rope.sin", rotary.sin)
-
-    def _allocate_kv_cache(self) -> None:
-        mc = self.model_config
-        self.kv_cache = KVCache(mc.num_layers, self.num_kv_blocks, self.block_size, self.shard.num_kv_heads,
-                                mc.head_dim, self.dtype, self.device, self.ledger)
-
-    def _num_kv_blocks(self, config: EngineConfig) -> int:
-        mc, cache = self.model_config, config.cache
-        per_block = bytes_per_block(mc.num_layers, self.block_size, self.shard.num_kv_heads, mc.head_dim, self.dtype)
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        if cache.num_blocks is not None:
-            num_blocks = cache.num_blocks
-        else:
-            budget = cache.memory_bytes if cache.memory_bytes is not None else self._default_kv_budget(config)
-            num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
-        if self.tp is not None:  # one block id must mean the same slots on every rank
-            num_blocks = self.tp.agree_num_blocks(int(num_blocks))
-        if num_blocks * self.block_size < self.max_model_len:
-            if config.max_model_len is not None or num_blocks < 1:
-                raise OutOfResourcesError(
-                    f"the KV cache holds {num_blocks} blocks ({num_blocks * self.block_size} tokens), "
-                    f"less than one sequence of max_model_len={self.max_model_len} tokens; "
-                    "give it more memory or lower max_model_len"
-                )
-            self.max_model_len = num_blocks * self.block_size
-        return int(num_blocks)
-
-    def _default_kv_budget(self, config: EngineConfig) -> int:
-        if self.device.type != "cuda":
-            return _CPU_KV_BUDGET
-        free, total = torch.cuda.mem_get_info(self.device)
-        mc = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        # Peak activations of the largest step, plus float32 logits/sort buffers of a full batch.
-        activations = config.max_num_batched_tokens * (6 * mc.hidden_size + 4 * mc.intermediate_size
-                                                       + mc.q_size + 2 * mc.kv_size) * elem
-        logits = config.max_num_seqs * mc.vocab_size * 4 * 4
-        budget = int(config.cache.gpu_memory_utilization * total) - (total - free) - activations - logits - (512 << 20)
-        if budget <= 0:
-            raise OutOfResourcesError(
-                f"no device memory left for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
-                f"with gpu_memory_utilization={config.cache.gpu_memory_utilization}"
-            )
-        return budget
-
     def _check_alive(self) -> None:
         if self.closed:
             raise EngineShutdownError("the model runner has been shut down")
@@ -317,77 +259,59 @@ class ModelRunner:
     def sleep(self, level: int = 1) -> dict[str, int]:
         """Release device memory: level 1 keeps the weights in pinned host memory, level 2 discards them.
 
-        Returns the device bytes released, by ledger owner.
+        Returns the device bytes released, by ledger owner. A sleep that
+        fails (no pinned memory for the host copy) leaves the engine awake.
         """
         self._check_alive()
         if level not in (1, 2):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
-        if self.sleeping:
+        if self.lifecycle.asleep:
             raise InvalidRequestError(f"the engine is already asleep (level {self.sleep_level})")
         synchronize(self.device)
         before = self.ledger.bytes_by_owner()
         start = time.perf_counter()
-        self._drop_step_state()
-        try:
-            if level == 1:
-                self.arena.offload()
-            else:
-                self.arena.release()
-                self.arena.host = None
-        except BaseException:
-            if self.arena.flat is not None:  # still awake: give the steps back their buffers and graphs
-                self._build_step_state()
-            raise
-        offload = time.perf_counter() - start
-        self.model.model.rotary.release()
-        self.kv_cache = None
+        self.lifecycle.sleep(level)
         gc.collect()
         free_device_caches(self.device)
-        self.sleeping, self.sleep_level = set(SLEEP_TAGS), level
-        self.last_transfer = {"sleep_s": time.perf_counter() - start, "offload_s": offload,
-                              "d2h_copy_s": self.arena.last_copy_s if level == 1 else 0.0,
-                              "weight_bytes": self.arena.nbytes}
+        self.last_transfer = {"sleep_s": time.perf_counter() - start,
+                              "d2h_copy_s": self.host_weights.last_copy_s if level == 1 else 0.0,
+                              "weight_bytes": self.kv_plan.weight_bytes}
         after = self.ledger.bytes_by_owner()
         return {k: v - after.get(k, 0) for k, v in before.items() if v - after.get(k, 0) > 0}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore released components (all, or those in ``tags``: "weights", "kv_cache")."""
+        """Restore released components (all, or those in ``tags``: "weights", "kv_cache").
+
+        All or nothing: if a component fails to come back (out of memory, an
+        unreadable checkpoint at level 2), what this call restored is released
+        again and the engine is asleep exactly as before the call.
+        """
         self._check_alive()
         tags = list(SLEEP_TAGS) if tags is None else list(tags)
         unknown = [t for t in tags if t not in SLEEP_TAGS]
         if unknown:
             raise InvalidRequestError(f"unknown wake_up tags {unknown}; use {list(SLEEP_TAGS)}")
+        self._wake(tags, None)
+
+    def _wake(self, tags: list[str], weights) -> None:
         start = time.perf_counter()
-        if "weights" in tags and "weights" in self.sleeping:
-            if self.sleep_level == 1:
-                self.arena.restore()
-                self.last_transfer["restore_s"] = time.perf_counter() - start
-                self.last_transfer["h2d_copy_s"] = self.arena.last_copy_s
-                self._build_rope()
-            else:
-                self._place_weights()
-                self.model.load_weights(self.source.iter_weights())
-                self.last_transfer["reload_s"] = time.perf_counter() - start
-            self._mark_awake("weights")
-        if "kv_cache" in tags and "kv_cache" in self.sleeping:
-            self._allocate_kv_cache()
-            self._mark_awake("kv_cache")
+        level = self.sleep_level
+        try:
+            woken = self.lifecycle.wake(tags, weights)
+        except BaseException as exc:
+            drop_traceback_locals(exc)  # the rolled-back buffers must not live on in the traceback
+            free_device_caches(self.device)
+            raise
         synchronize(self.device)
         self.last_transfer["wake_s"] = time.perf_counter() - start
-        self.last_transfer["graph_capture_s"] = self.graphs.capture_seconds if self.graphs else 0.0
-
-    def _mark_awake(self, tag: str) -> None:
-        if self.sleeping == {tag}:
-            # The last component is back; a failure here leaves the engine asleep on ``tag``, so a later
-            # wake_up() can retry instead of steps running without their buffers.
-            self._build_step_state()
-        self.sleeping.discard(tag)
-        if not self.sleeping:
-            self.sleep_level = None
+        if self.host_weights in woken and level == 1:
+            self.last_transfer["h2d_copy_s"] = self.host_weights.last_copy_s
+        graphs = self.graphs
+        self.last_transfer["graph_capture_s"] = graphs.capture_seconds if graphs is not None else 0.0
 
     def _check_can_update_weights(self, weights) -> None:
         self._check_alive()
-        if "weights" in self.sleeping and self.sleep_level == 1:
+        if WEIGHTS in self.sleeping and self.sleep_level == 1:
             raise EngineSleepingError("the engine sleeps at level 1; call wake_up(['weights']) before update_weights()")
         if not hasattr(weights, "items") and not hasattr(weights, "__iter__"):
             raise InvalidRequestError(
@@ -396,33 +320,27 @@ class ModelRunner:
     def update_weights(self, weights) -> int:
         """Copy HF-named tensors into the weights in place; returns how many were loaded.
 
-        While awake any subset may be given. Asleep at level 2 the weights are
-        re-allocated and every weight must be given (nothing else could fill
-        the rest). A mapping is checked completely before anything is copied.
+        While awake any subset may be given. Asleep at level 2 the weights'
+        rows wake with these tensors instead of the model files, and every
+        weight must be given (nothing else could fill the rest); a failure
+        leaves them asleep. A mapping is checked completely before anything is
+        copied.
         """
         self._check_can_update_weights(weights)
-        refill = "weights" in self.sleeping
-        if not hasattr(weights, "items"):
-            weights = _name_tensor_pairs(weights)
+        refill = WEIGHTS in self.sleeping
+        items = weights.items() if hasattr(weights, "items") else _name_tensor_pairs(weights)
         try:
             if hasattr(weights, "items"):
-                self.model.check_weights(weights.items(), require_all=refill)
-                weights = weights.items()
+                self.model.check_weights(items, require_all=refill)
             if refill:
-                self._place_weights()
-            try:
-                loaded = self.model.load_weights(weights, require_all=refill)
-            except BaseException:
-                if refill:  # leave no half-filled buffer behind: back to the released state
-                    self.arena.release()
-                    self.model.model.rotary.release()
-                raise
+                self._wake([WEIGHTS], items)
+                count = self.weights.loaded
+            else:
+                count = len(self.model.load_weights(items, require_all=False))
         except ModelLoadError as exc:
             raise InvalidRequestError(f"update_weights: {exc}") from exc
-        if refill:
-            self._mark_awake("weights")
         synchronize(self.device)
-        return len(loaded)
+        return count
 
     def _build_inputs(self, host: HostBatch, graph: tuple[int, int] | None) -> InputBatch:
         if not isinstance(self.ops, TritonOps):
@@ -547,50 +465,43 @@ class ModelRunner:
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _release(self, owner: str) -> None:
-        """Drop the runner's reference to the component that owns ``owner``'s tensors."""
-        if owner in ("cuda_graphs", "inputs", "inputs_host"):
-            self._drop_step_state()  # graphs before the buffers they read, whichever owner comes first
-        elif owner == "kv_cache":
-            self.kv_cache = None
-        elif owner == "host_weights":
-            if self.arena is not None:
-                self.arena.host = None
-        elif owner in ("weights", "rope"):
-            self.model = None  # the RoPE table is a buffer of the model
-            self.arena = None
-        elif owner == "process_group":
-            self.tp_group.destroy()  # acquired after the weights, before the KV cache and any CUDA graph
-
     def rank_reports(self) -> list[ShutdownReport]:
         """The shutdown report of every tensor-parallel rank this runner drives: here just its own."""
         return [self.shutdown_report or ShutdownReport()]
 
     def shutdown(self, strict: bool = False) -> ShutdownReport:
-        """Release every component (reverse acquisition order), free device caches, verify.
+        """Release every component (reverse table order), free device caches, verify.
 
         Idempotent: a second call returns the first call's report. A tensor
         still alive afterwards is reported with the chain of references that
         holds it; ``strict=True`` raises ResourceLeakError instead of warning.
+        A step of the release that fails is reported too (``errors``) and does
+        not stop the others.
         """
         if self.shutdown_report is not None:
             return self.shutdown_report
         start = time.perf_counter()
         self.closed = True
+        errors = []
         try:
             synchronize(self.device)
         except RuntimeError as exc:  # a failed kernel must not stop the release
-            warnings.warn(f"device synchronize failed during shutdown: {exc}", RuntimeWarning, stacklevel=2)
+            errors.append(f"device synchronize failed: {exc}")
         released = self.ledger.bytes_by_owner()
-        for owner in self.ledger.owners_for_release():
-            self._release(owner)
-        if self.tp_group is not None:  # a group that never connected still holds its store
+        errors += self.lifecycle.shutdown()
+        if self.tp_group is not None:  # a group whose row never acquired still holds its store
             self.tp_group.destroy()
-        gc.collect()
-        free_device_caches(self.device)
+        if self.ledger.live_entries():  # reference cycles: only then pay for a full collection
+            gc.collect()
+        try:
+            free_device_caches(self.device)
+        except Exception as exc:  # noqa: BLE001 - reported, never turned into a clean report
+            drop_traceback_locals(exc)
+            errors.append(f"freeing the device caches failed: {type(exc).__name__}: {exc}")
+            del exc
         survivors = [s for s in (survivor(e.ref, e.fixed_nbytes) for e in self.ledger.live_entries()) if s is not None]
-        self.shutdown_report = ShutdownReport(released, survivors, time.perf_counter() - start)
-        if survivors:
+        self.shutdown_report = ShutdownReport(released, survivors, time.perf_counter() - start, errors)
+        if not self.shutdown_report.clean:
             if strict:
                 raise ResourceLeakError(str(self.shutdown_report))
             warnings.warn(str(self.shutdown_report), ResourceWarning, stacklevel=2)

@@ -8,7 +8,6 @@ their identity across sleep cycles; only their storage comes and goes.
 from __future__ import annotations
 
 import math
-import time
 import weakref
 
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 from ..resources import ResourceLedger
 
 # Start every parameter on a 256-byte boundary, which GEMM kernels like.
-_ALIGN_BYTES = 256
+ARENA_ALIGN_BYTES = 256
 
 
 class WeightArena:
@@ -25,15 +24,13 @@ class WeightArena:
 
     Owns device memory: the flat buffer, registered with the ledger as
     ``weights`` (together with every parameter view) each time it is
-    materialized. Owns host memory while offloaded: the pinned copy, ledger
-    owner ``host_weights``.
+    materialized. The host copy a level-1 sleep keeps is another owner's
+    (``components.HostWeights``).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, ledger: ResourceLedger,
-                 keep_host_buffer: bool = True) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, ledger: ResourceLedger) -> None:
         self.device, self.dtype, self._ledger = device, dtype, ledger
-        self.keep_host_buffer = keep_host_buffer
-        align = _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+        align = ARENA_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
         # Modules by weak reference: the model owns them, the arena only knows where their parameters go.
         self._slots: list[tuple[str, weakref.ref, str, tuple[int, ...], int]] = []
         offset = 0
@@ -46,8 +43,6 @@ class WeightArena:
                 offset += -(-math.prod(p.shape) // align) * align
         self.numel = offset
         self.flat: torch.Tensor | None = None
-        self.host: torch.Tensor | None = None
-        self.last_copy_s = 0.0  # duration of the last host<->device copy alone (for bandwidth reports)
 
     @property
     def nbytes(self) -> int:
@@ -74,30 +69,3 @@ class WeightArena:
         for _, module_ref, attr, _, _ in self._slots:
             module_ref()._parameters[attr].data = empty
         self.flat = None
-
-    def offload(self) -> None:
-        """Copy the weights to (pinned) host memory in one non-blocking copy, then release the device buffer.
-
-        The host buffer is allocated on first use and reused by later sleeps.
-        """
-        if self.host is None:
-            pin = self.device.type == "cuda"
-            self.host = self._ledger.track("host_weights", "weights.host",
-                                           torch.empty(self.numel, dtype=self.dtype, pin_memory=pin))
-        start = time.perf_counter()
-        self.host.copy_(self.flat, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.last_copy_s = time.perf_counter() - start
-        self.release()
-
-    def restore(self) -> None:
-        """Materialize and fill from the host copy in one non-blocking copy and a single synchronisation."""
-        self.materialize()
-        start = time.perf_counter()
-        self.flat.copy_(self.host, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.last_copy_s = time.perf_counter() - start
-        if not self.keep_host_buffer:
-            self.host = None

@@ -1,0 +1,114 @@
+"""How big the KV cache is and how long a sequence may be, decided before the model exists.
+
+A pure function of the configs and one memory reading: the model's RoPE
+table, the step buffers and the scheduler are all sized from
+``KVPlan.max_model_len``, so it is fixed first and never changed afterwards
+(before, a CUDA engine shrank ``max_model_len`` after loading its weights,
+when the table had already been built for the old length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from ..errors import InvalidRequestError, OutOfResourcesError
+from ..kv_cache import bytes_per_block
+from ..model.sharding import TPShard
+from .weights import ARENA_ALIGN_BYTES
+
+CPU_KV_BUDGET = 1 << 30  # 1 GiB unless the user says otherwise; pages are only touched when used
+# Left free on the GPU beyond what is computed: the CUDA context's growth, cuBLAS/Triton workspaces.
+GPU_HEADROOM = 512 << 20
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    max_model_len: int
+    weight_bytes: int  # this rank's weights, as the WeightArena will lay them out
+
+
+def weight_numels(mc: ModelConfig, shard: TPShard) -> list[int]:
+    """Element counts of this rank's parameters (the model's ``_parameters``, in any order)."""
+    h, d = mc.hidden_size, mc.head_dim
+    q, kv, inter, vocab = shard.num_heads * d, shard.num_kv_heads * d, shard.intermediate_size, shard.vocab_size
+    layer = [h, h, (q + 2 * kv) * h, h * q, 2 * inter * h, h * inter]
+    if mc.attention_bias:
+        layer.append(q + 2 * kv)
+    head = [] if mc.tie_word_embeddings else [vocab * h]
+    return [vocab * h, h, *head] + layer * mc.num_layers
+
+
+def weight_bytes(mc: ModelConfig, shard: TPShard, dtype: torch.dtype) -> int:
+    """Bytes of the WeightArena of this rank: every parameter rounded up to ARENA_ALIGN_BYTES."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    align = ARENA_ALIGN_BYTES // elem
+    return sum(-(-n // align) * align for n in weight_numels(mc, shard)) * elem
+
+
+def resolve_max_model_len(mc: ModelConfig, config: EngineConfig) -> int:
+    limit = mc.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise InvalidRequestError(f"max_model_len={config.max_model_len} exceeds the model's context length ({limit})")
+    return config.max_model_len
+
+
+def activation_bytes(mc: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
+    """Peak activations of the largest step, plus float32 logits/sort buffers of a full batch."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = 6 * mc.hidden_size + 4 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size
+    return config.max_num_batched_tokens * per_token * elem + config.max_num_seqs * mc.vocab_size * 4 * 4
+
+
+def plan_kv_cache(mc: ModelConfig, shard: TPShard, config: EngineConfig, dtype: torch.dtype,
+                  gpu_memory: tuple[int, int] | None) -> KVPlan:
+    """Blocks and context length from the configs and, on CUDA, ``gpu_memory`` = (free, total) read
+    before anything of this engine was allocated (None on the CPU).
+
+    ``gpu_memory_utilization`` is the fraction of the device this engine may
+    fill, its weights included; what others already use counts against it.
+    With no ``max_model_len`` given and too little memory for the model's
+    full context, the context shrinks to what the cache holds.
+    """
+    max_model_len = resolve_max_model_len(mc, config)
+    cache = config.cache
+    weights = weight_bytes(mc, shard, dtype)
+    per_block = bytes_per_block(mc.num_layers, cache.block_size, shard.num_kv_heads, mc.head_dim, dtype)
+    blocks_per_seq = -(-max_model_len // cache.block_size)
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+    else:
+        if cache.memory_bytes is not None:
+            budget = cache.memory_bytes
+        elif gpu_memory is None:
+            budget = CPU_KV_BUDGET
+        else:
+            free, total = gpu_memory
+            budget = (int(cache.gpu_memory_utilization * total) - (total - free) - weights
+                      - activation_bytes(mc, config, dtype) - GPU_HEADROOM)
+            if budget <= 0:
+                raise OutOfResourcesError(
+                    f"no device memory left for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB, "
+                    f"weights {weights / 2**30:.2f} GiB, with gpu_memory_utilization={cache.gpu_memory_utilization}")
+        num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
+    if num_blocks * cache.block_size < max_model_len:
+        if config.max_model_len is not None or num_blocks < 1:
+            raise OutOfResourcesError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * cache.block_size} tokens), less than one "
+                f"sequence of max_model_len={max_model_len} tokens; give it more memory or lower max_model_len")
+        max_model_len = num_blocks * cache.block_size
+    return KVPlan(int(num_blocks), int(max_model_len), weights)
+
+
+def check_agreed_blocks(plan: KVPlan, agreed: int, block_size: int) -> None:
+    """Tensor-parallel ranks use the least block count of all; it must still hold one full sequence."""
+    if agreed * block_size < plan.max_model_len:
+        raise OutOfResourcesError(
+            f"the tensor-parallel ranks agreed on {agreed} KV blocks ({agreed * block_size} tokens), less than "
+            f"one sequence of max_model_len={plan.max_model_len}; another rank has less free memory: "
+            "lower max_model_len or gpu_memory_utilization")
