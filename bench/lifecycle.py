@@ -1,6 +1,6 @@
 """Construction / shutdown time and leftover GPU memory: tidyrun vs transformers' usual recipe.
 
-    python bench/lifecycle.py [--shape llama-1.2b] [--json bench/results/lifecycle.json]
+    python bench/lifecycle.py [--shape llama-1.2b] [--cycles 5] [--kv-cache-gib 64] [--json bench/results/lifecycle.json]
 
 Each engine runs in its own child process of this script, so each starts from
 a clean CUDA context; memory is read at three levels (allocated, reserved,
@@ -38,24 +38,41 @@ def _import_transformers() -> float:
     return time.perf_counter() - t0
 
 
-def worker_tidyrun(ckpt: str) -> dict:
+def worker_tidyrun(ckpt: str, cycles: int, kv_gib: float) -> dict:
+    """``cycles`` engines one after another in this process; then one whose parameters the caller holds."""
     from tidyrun import LLM, SamplingParams
     from tidyrun.memory import sample_memory
 
     import_s = _import_transformers()
     base = _baseline()
+    construct, shutdown, after, peak, report = [], [], [], None, None
+    for _ in range(cycles):
+        t0 = time.perf_counter()
+        llm = LLM(ckpt, device="cuda", dtype="bfloat16", kv_cache_memory=int(kv_gib * 2**30))
+        construct.append(time.perf_counter() - t0)
+        peak = peak or sample_memory("cuda")
+        llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
+        t0 = time.perf_counter()
+        report = llm.shutdown()
+        shutdown.append(time.perf_counter() - t0)
+        after.append(sample_memory("cuda"))
+        del llm
+    # An RL trainer's habit: keep the parameters. The report must stay fast and must not hold them itself.
+    llm = LLM(ckpt, device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
+    held = dict(llm.runner.model.named_parameters())
     t0 = time.perf_counter()
-    llm = LLM(ckpt, device="cuda", dtype="bfloat16")
-    construct = time.perf_counter() - t0
-    peak = sample_memory("cuda")
-    llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
-    t0 = time.perf_counter()
-    report = llm.shutdown()
-    shutdown = time.perf_counter() - t0
-    after = sample_memory("cuda")
-    return dict(engine="tidyrun", recipe="llm.shutdown()", construct_s=construct, shutdown_s=shutdown,
-                held_gib=(peak.driver_used - base[1].driver_used) / 2**30, **_leftover(base, after),
-                survivors=len(report.survivors), import_s=import_s, kv_cache_gib=report.released_bytes["kv_cache"] / 2**30)
+    held_report = llm.shutdown()
+    held_s = time.perf_counter() - t0
+    del held, llm
+    dropped = sample_memory("cuda", collect=False)
+    return dict(engine="tidyrun", recipe="llm.shutdown()", construct_s=construct[0], shutdown_s=shutdown[0],
+                shutdown_median_s=sorted(shutdown)[len(shutdown) // 2], shutdown_all_s=shutdown,
+                held_gib=(peak.driver_used - base[1].driver_used) / 2**30, **_leftover(base, after[0]),
+                left_driver_last_mib=after[-1].delta(base[1]).driver_used / 2**20, cycles=cycles,
+                survivors=len(report.survivors), import_s=import_s, kv_cache_gib=report.released_bytes["kv_cache"] / 2**30,
+                held_params_survivors=len(held_report.survivors), held_params_shutdown_s=held_s,
+                held_params_report=str(held_report).splitlines()[1:3],
+                after_dropping_held_allocated_b=dropped.delta(base[1]).allocated)
 
 
 def worker_transformers(ckpt: str) -> dict:
@@ -97,11 +114,14 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-1.2b")
     ap.add_argument("--ckpt", default=None, help="existing checkpoint folder (default: write a random one)")
     ap.add_argument("--json", default="bench/results/lifecycle.json")
+    ap.add_argument("--cycles", type=int, default=5, help="tidyrun engines built and shut down one after another")
+    ap.add_argument("--kv-cache-gib", type=float, default=64.0)
     ap.add_argument("--worker", choices=["tidyrun", "transformers"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        fn = worker_tidyrun if args.worker == "tidyrun" else worker_transformers
-        print("RESULT " + json.dumps(fn(args.ckpt)), flush=True)
+        result = (worker_tidyrun(args.ckpt, args.cycles, args.kv_cache_gib) if args.worker == "tidyrun"
+                  else worker_transformers(args.ckpt))
+        print("RESULT " + json.dumps(result), flush=True)
         return
     from tidyrun.synthetic import write_random_checkpoint
 
@@ -112,7 +132,8 @@ def main() -> None:
         print(f"wrote random {args.shape} checkpoint to {ckpt} in {time.perf_counter() - t0:.1f} s")
     rows = []
     for engine in ("tidyrun", "transformers"):
-        out = subprocess.run([sys.executable, __file__, "--worker", engine, "--ckpt", ckpt],
+        out = subprocess.run([sys.executable, __file__, "--worker", engine, "--ckpt", ckpt, "--cycles",
+                              str(args.cycles), "--kv-cache-gib", str(args.kv_cache_gib)],
                              capture_output=True, text=True, check=False)
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
@@ -126,6 +147,13 @@ def main() -> None:
         print(f"| {r['engine']} | `{r['recipe']}` | {r['construct_s']:.2f} | {r['shutdown_s']:.3f} | {r['held_gib']:.2f} | "
               f"{r['left_allocated_b']} | {r['left_reserved_b']} | {r['left_driver_mib']:.1f} "
               f"| {r['left_driver_vs_bare_context_mib']:.1f} |")
+    t = rows[0]
+    print(f"\ntidyrun, {t['cycles']} engines with a {t['kv_cache_gib']:.0f} GiB KV cache: shutdown "
+          f"{', '.join(f'{x * 1e3:.0f}' for x in t['shutdown_all_s'])} ms (median {t['shutdown_median_s'] * 1e3:.0f}); "
+          f"driver left after the first {t['left_driver_mib']:.1f} MiB, after the last {t['left_driver_last_mib']:.1f} MiB")
+    print(f"held parameters: {t['held_params_survivors']} survivors reported in {t['held_params_shutdown_s']:.3f} s; "
+          f"after dropping them: allocated {t['after_dropping_held_allocated_b']} B over the baseline")
+    print("\n".join(t["held_params_report"]))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(shape=args.shape, device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f,

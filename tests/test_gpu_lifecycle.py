@@ -98,3 +98,107 @@ def test_planted_reference_is_reported_then_released(checkpoint):
     gc.collect()
     torch.cuda.empty_cache()
     assert_back_to(base, sample_memory("cuda"))
+
+
+def test_shutdown_leaves_other_graphs_working(checkpoint):
+    """One engine's shutdown must not break a second engine's graphs, nor a user's own CUDA graph that was
+    captured on a stream which had run cuBLAS before (process-wide cuBLAS workspace clearing did)."""
+    initialize_cuda("cuda")
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    a = LLM(checkpoint, device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
+    b = LLM(checkpoint, device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
+    prompts = PROMPTS * 16  # 64 rows: the decode graphs run cuBLAS products
+    expected = [o.outputs[0].token_ids for o in b.generate(prompts, greedy, use_tqdm=False)]
+    a.generate(prompts, greedy, use_tqdm=False)
+
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        (x @ w).sum().item()  # cuBLAS has made this stream's workspace before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        y = torch.relu(x @ w) @ w
+    graph.replay()
+    torch.cuda.synchronize()
+    want = y.clone()
+
+    assert a.shutdown(strict=True).clean
+    sentinels = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # 256 MiB of fresh blocks
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want)
+    assert all(bool((s == 7.0).all()) for s in sentinels), "the user's graph wrote into memory it does not own"
+    assert [o.outputs[0].token_ids for o in b.generate(prompts, greedy, use_tqdm=False)] == expected
+    assert b.shutdown(strict=True).clean
+    del graph, y, want, sentinels, x, w
+
+
+def _hold_and_drop(checkpoint, base):
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
+    held = dict(llm.runner.model.named_parameters())
+    refs = [e.ref for e in llm.runner.ledger.entries()]
+    report = llm.shutdown()
+    assert len(report.survivors) == len(held) and "local 'held'" in str(report)
+    assert report.seconds < 2.0, report.seconds
+    del held
+    assert all(r() is None for r in refs)  # the report itself holds nothing
+    torch.cuda.empty_cache()
+    assert_back_to(base, sample_memory("cuda", collect=False))
+
+
+def test_dropping_what_the_report_named_gives_the_memory_back_at_once(checkpoint):
+    _hold_and_drop(checkpoint, baseline())
+
+
+def _rss() -> int:
+    import os
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_pinned_host_copy_goes_back_to_the_os(checkpoint):
+    base = baseline()
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
+    weights = llm.runner.arena.nbytes
+    awake = _rss()
+    llm.sleep(level=1)
+    assert llm.runner.ledger.bytes_by_owner()["host_weights"] == weights
+    asleep = _rss()
+    llm.wake_up()
+    llm.sleep(level=2)  # the host copy is dropped here
+    dropped = _rss()
+    llm.wake_up()
+    assert llm.shutdown(strict=True).clean
+    after = _rss()
+    print(f"\nweights {weights / 2**20:.0f} MiB; RSS awake {awake / 2**20:.0f}, level 1 {asleep / 2**20:.0f}, "
+          f"level 2 {dropped / 2**20:.0f}, after shutdown {after / 2**20:.0f} MiB")
+    assert weights - (64 << 20) <= asleep - awake <= weights + (64 << 20)  # exactly sized, not a power of two
+    assert dropped - awake < 64 << 20
+    assert after - awake < 64 << 20
+    assert_back_to(base, sample_memory("cuda"))
+
+
+def test_failed_level2_wake_returns_the_device_memory(checkpoint, monkeypatch):
+    base = baseline()
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
+    llm.sleep(level=2)
+    real = llm.runner.source.iter_weights
+
+    def broken():
+        for i, item in enumerate(real()):
+            if i == 20:
+                raise OSError("checkpoint shard vanished")
+            yield item
+
+    monkeypatch.setattr(llm.runner.source, "iter_weights", broken)
+    with pytest.raises(OSError, match="vanished"):
+        llm.wake_up()
+    assert llm.is_sleeping
+    assert_back_to(base, sample_memory("cuda"))
+    monkeypatch.undo()
+    llm.wake_up()
+    assert len(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == len(PROMPTS)
+    assert llm.shutdown(strict=True).clean
