@@ -93,7 +93,9 @@ def test_planted_reference_is_reported_then_released(checkpoint):
     report = llm.shutdown()
     assert [s.chain for s in report.survivors] == [
         "frame test_planted_reference_is_reported_then_released() local 'held' -> (dict)['qkv']"]
-    assert report.survivors[0].nbytes == held["qkv"].untyped_storage().nbytes()
+    # Its own bytes, and the weight arena it views, kept alive whole.
+    assert report.survivors[0].nbytes == held["qkv"].numel() * held["qkv"].element_size()
+    assert report.survivors[0].storage_nbytes == report.leaked_bytes == held["qkv"].untyped_storage().nbytes()
     held.clear()
     gc.collect()
     torch.cuda.empty_cache()
