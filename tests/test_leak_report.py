@@ -69,7 +69,7 @@ def test_an_engines_tensors_are_traced_in_one_search(tiny_llama_dir):
     assert len(groups[f"{here} local 'held' (dict)"]) == len(held)
     # The rest (weight arena, RoPE tables, KV cache) is reached through the engine itself.
     assert set(groups) == {f"{here} local 'held' (dict)", f"{here} local 'llm' (LLM)"}
-    assert any(s.chain == f"{here} local 'llm' -> (LLM).runner.kv_cache.tensor" for s in report.survivors)
+    assert any(s.chain == f"{here} local 'llm' -> (LLM).runner.kv.cache.tensor" for s in report.survivors)
     del held
     assert llm.shutdown().clean
 

@@ -21,7 +21,7 @@ from .loader import open_model_source
 from .outputs import CompletionOutput, RequestOutput
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
-from .runner.model_runner import ShutdownReport
+from .report import ShutdownReport
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, streamable_length

@@ -14,10 +14,11 @@ class ShutdownReport:
     released_bytes: dict[str, int] = field(default_factory=dict)  # by owner, live before release
     survivors: list[Survivor] = field(default_factory=list)
     seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)  # release steps that failed (the others went on)
 
     @property
     def clean(self) -> bool:
-        return not self.survivors
+        return not self.survivors and not self.errors
 
     @property
     def leaked_bytes(self) -> int:
@@ -37,7 +38,10 @@ class ShutdownReport:
         head = f"released {total / 2**20:.1f} MiB ({', '.join(f'{k}={v / 2**20:.1f} MiB' for k, v in self.released_bytes.items())}) in {self.seconds * 1e3:.0f} ms"
         if self.clean:
             return head + "; nothing survived"
-        lines = [head, f"{_count(self.survivors)} survived shutdown, holding {_size(self.leaked_bytes)}:"]
+        lines = [head] + [f"  error: {e}" for e in self.errors]
+        if not self.survivors:
+            return "\n".join(lines)
+        lines.append(f"{_count(self.survivors)} survived shutdown, holding {_size(self.leaked_bytes)}:")
         for holder, group in self.by_holder().items():
             example = max(group, key=lambda s: s.nbytes)  # the biggest, the first of equals
             lines.append(f"  {_count(group)}, {_size(unique_storage_bytes(group))}, held by {holder}")

@@ -25,14 +25,15 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..errors import InvalidRequestError, ModelLoadError, ResourceLeakError, WorkerError
 from ..loader import ModelSource
+from ..model.sharding import TPShard
+from ..report import ShutdownReport
 from ..resources import drop_traceback_locals
 from ..runner.device import resolve_device, synchronize
 from ..runner.input_batch import HostBatch
-from ..runner.model_runner import ModelRunner, ShutdownReport, StepLogits, _name_tensor_pairs
+from ..runner.model_runner import ModelRunner, StepLogits, _name_tensor_pairs
 from .group import TPGroup
 from .pool import WorkerPool
 from .rank import TPRank
-from ..model.sharding import TPShard
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a collective (or the rendezvous) that waits longer fails instead of hanging
 
