@@ -16,7 +16,7 @@ import torch
 
 from conftest import QUESTIONS
 from tidyrun import LLM, InvalidRequestError, SamplingParams, WorkerDiedError, WorkerError
-from tidyrun.distributed.sharding import TPShard, split_range
+from tidyrun.model.sharding import TPShard, split_range
 from tidyrun.synthetic import write_random_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -32,7 +32,7 @@ from ..runner.model_runner import ModelRunner, ShutdownReport, StepLogits, _name
 from .group import TPGroup
 from .pool import WorkerPool
 from .rank import TPRank
-from .sharding import TPShard
+from ..model.sharding import TPShard
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a collective (or the rendezvous) that waits longer fails instead of hanging
 

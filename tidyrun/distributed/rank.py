@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .group import TPGroup
-from .sharding import TPShard
+from ..model.sharding import TPShard
 
 
 @dataclass(frozen=True)

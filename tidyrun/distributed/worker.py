@@ -24,7 +24,7 @@ from ..config import EngineConfig
 from ..errors import WorkerError
 from .group import TPGroup
 from .rank import TPRank
-from .sharding import TPShard
+from ..model.sharding import TPShard
 
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that its driver still exists
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..attention import ForwardContext, causal_attention_dense
 from ..config import ModelConfig
-from ..distributed.sharding import TPShard, split_range
+from .sharding import TPShard, split_range
 from ..errors import ModelLoadError
 from ..kv_cache import KVCache
 from .layers import Embedding, Linear, RMSNorm, RotaryEmbedding
