@@ -65,8 +65,7 @@ class TPDriverRunner(ModelRunner):
     back as ``worker_reports`` (None for a worker that had died).
     """
 
-    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int],
-                 keep_host_buffers: bool = True) -> None:
+    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
         world = config.tensor_parallel_size
         device = resolve_device(config.device)
         check_tensor_parallel_size(world, source.config, device)
@@ -75,14 +74,13 @@ class TPDriverRunner(ModelRunner):
         group = TPGroup(0, world, device, COLLECTIVE_TIMEOUT_S)
         configs = [dataclasses.replace(config, device=_rank_device(device, r)) for r in range(1, world)]
         try:
-            self.pool = WorkerPool(world, group.address, configs, eos_token_ids, keep_host_buffers,
-                                   COLLECTIVE_TIMEOUT_S)
+            self.pool = WorkerPool(world, group.address, configs, eos_token_ids, COLLECTIVE_TIMEOUT_S)
         except BaseException:
             group.destroy()
             raise
         tp = TPRank(TPShard.of(source.config, 0, world), group, self.pool.agree_num_blocks)
         try:
-            super().__init__(source, config, eos_token_ids, keep_host_buffers, tp)
+            super().__init__(source, config, eos_token_ids, tp=tp)
         except BaseException:
             if getattr(self, "shutdown_report", None) is None:  # refused before its own clean-up (bad config)
                 self.pool.kill()

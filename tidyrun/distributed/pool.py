@@ -58,7 +58,7 @@ class WorkerPool:
     """
 
     def __init__(self, world: int, address: tuple[str, int], configs: list[EngineConfig],
-                 eos_token_ids: frozenset[int], keep_host_buffers: bool, timeout_s: float) -> None:
+                 eos_token_ids: frozenset[int], timeout_s: float) -> None:
         ctx = mp.get_context("spawn")
         self.workers: list[_Worker] = []
         self.started = False
@@ -67,8 +67,7 @@ class WorkerPool:
         try:
             for rank, config in zip(range(1, world), configs):
                 parent, child = ctx.Pipe()
-                spec = WorkerSpec(rank, world, address, config, eos_token_ids, keep_host_buffers, timeout_s,
-                                  os.getpid())
+                spec = WorkerSpec(rank, world, address, config, eos_token_ids, timeout_s, os.getpid())
                 process = ctx.Process(target=run_worker, args=(spec, child), name=f"tidyrun-tp-rank{rank}",
                                       daemon=True)
                 process.start()

@@ -38,7 +38,6 @@ class WorkerSpec:
     address: tuple[str, int]  # the driver's store
     config: EngineConfig  # device set to this rank's device
     eos_token_ids: frozenset[int]
-    keep_host_buffers: bool
     timeout_s: float
     parent_pid: int
 
@@ -91,7 +90,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
         group = TPGroup(spec.rank, spec.world, device, spec.timeout_s, spec.address)
         tp = TPRank(TPShard.of(source.config, spec.rank, spec.world), group,
                     lambda n: _agree(conn, spec.parent_pid, n))
-        runner = ModelRunner(source, spec.config, spec.eos_token_ids, spec.keep_host_buffers, tp)
+        runner = ModelRunner(source, spec.config, spec.eos_token_ids, tp=tp)
     except BaseException as exc:  # the runner released what it took; report why and end
         _reply(conn, _error(exc))
         return
