@@ -250,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status (2: a tidyrun error, 130: Ctrl-C).
+
+    Ctrl-C ends the command at once with one line and no traceback; the
+    engine was shut down on the way out.
+    """
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -257,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tidyrun: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("\ntidyrun: interrupted", file=sys.stderr)
         return 130
 
 

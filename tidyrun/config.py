@@ -163,8 +163,8 @@ class EngineConfig:
     # Ranks the model is split over (one process each; rank 0 is this process). Checked against the model
     # (at most one rank per KV head) and the devices when the engine starts.
     tensor_parallel_size: int = 1
-    # Keep the pinned host copy of the weights between level-1 sleeps (allocated once, reused; costs host
-    # memory the size of the weights while awake). False: give it back to the OS at every wake.
+    # Keep the pinned host copy of the weights between level-1 sleeps (allocated once, reused) instead of
+    # freeing it at every wake; costs host memory the size of the weights while awake.
     keep_host_buffers: bool = True
 
     def __post_init__(self) -> None:
@@ -174,12 +174,11 @@ class EngineConfig:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise InvalidRequestError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
 
-        if not isinstance(self.keep_host_buffers, bool):
-            raise InvalidRequestError(f"keep_host_buffers must be a bool, got {self.keep_host_buffers!r}")
         if self.kernels not in (None, "torch", "triton"):
             raise InvalidRequestError(f"kernels must be 'torch', 'triton' or None, got {self.kernels!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise InvalidRequestError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "keep_host_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if (not isinstance(sizes, (list, tuple)) or not sizes

@@ -3,10 +3,17 @@
 One engine = one model source, one tokenizer, one ModelRunner (all device
 state) and one Scheduler (host state). Nothing here is shared between
 engines, so several can live in one process.
+
+The facade routes: requests are checked by ``RequestIntake``, batches are
+formed and their results booked by the ``Scheduler``, steps run on the
+``ModelRunner``; it keeps only the request table and the finished outputs
+not yet handed out.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import random
 import weakref
@@ -15,19 +22,18 @@ from dataclasses import dataclass, field
 
 from .config import CacheConfig, EngineConfig, SpeculativeConfig
 from .distributed.driver import TPDriverRunner
-from .errors import EngineShutdownError, InvalidRequestError, PromptTooLongError
+from .errors import EngineShutdownError, InvalidRequestError
+from .intake import Prompt, PromptType, RequestIntake
 from .kv_cache import BlockPool
 from .loader import open_model_source
 from .outputs import CompletionOutput, RequestOutput
+from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
-from .report import ShutdownReport
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, streamable_length
 from .spec_decode import NgramProposer
-
-PromptType = str | list[int] | dict
 
 
 @dataclass
@@ -56,11 +62,44 @@ class EngineShutdownReport(ShutdownReport):
 
     @property
     def clean(self) -> bool:
-        return not self.survivors and all(r.clean for r in self.ranks)
+        return super().clean and all(r.clean for r in self.ranks)
 
 
 def _shutdown_at_exit(runner: ModelRunner) -> None:
     runner.shutdown()
+
+
+def _drops_frames_on_error(method):
+    """Clear the locals of tidyrun's frames in an exception escaping ``method`` (the user's frames keep theirs).
+
+    An exception raised mid-forward (Ctrl-C, a failing kernel) holds the
+    frames it went through; theirs hold the model (a module's ``self``), the KV
+    cache and activations. Whoever keeps the exception (an ``except ... as
+    e``, a debugger, ``sys.last_exc``) would keep that memory alive, and
+    shutdown would trace each surviving tensor back to an unwound frame.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as exc:
+            drop_traceback_locals(exc, user_frames=False)
+            raise
+
+    return wrapper
+
+
+def _check_no_options_besides(config: EngineConfig, model: str | None, options: dict) -> None:
+    """``LLM(config=...)`` takes every option from the config: refuse others rather than ignore them."""
+    defaults = inspect.signature(LLM.__init__).parameters
+    conflicts = [f"{name}={value!r}" for name, value in options.items() if value != defaults[name].default]
+    if model is not None and model != config.model:
+        conflicts.insert(0, f"model={model!r} (the config says {config.model!r})")
+    if conflicts:
+        raise InvalidRequestError(
+            f"LLM(config=...) takes every option from the config, but also got {', '.join(conflicts)}; "
+            "set them in the config (dataclasses.replace(config, ...)) or leave config out")
 
 
 class LLM:
@@ -80,6 +119,8 @@ class LLM:
     is rank 0 and spawns N - 1 worker processes (one per further GPU on
     CUDA, gloo on the CPU; a script needs ``if __name__ == "__main__"``);
     ``shutdown()`` stops them and reports each rank.
+    ``config``: an ``EngineConfig`` instead of the keyword options (passing
+    both is refused with InvalidRequestError naming the options).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,
@@ -89,6 +130,8 @@ class LLM:
                  enable_prefix_caching: bool = True, speculative: dict | SpeculativeConfig | None = None,
                  enforce_eager: bool = False, cuda_graph_sizes: list[int] | None = None, kernels: str | None = None,
                  tensor_parallel_size: int = 1, config: EngineConfig | None = None) -> None:
+        # The keyword options, taken before any other local exists: every one, however many are added.
+        options = {k: v for k, v in locals().items() if k not in ("self", "model", "config")}
         self._closed = True  # until construction succeeds; makes shutdown() safe on a failed start
         self.runner: ModelRunner | None = None
         if config is None:
@@ -102,6 +145,8 @@ class LLM:
                 cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_bytes=kv_cache_memory,
                                   gpu_memory_utilization=gpu_memory_utilization),
             )
+        else:
+            _check_no_options_besides(config, model, options)
         self.config = config
         self._report: EngineShutdownReport | None = None
         self.source = open_model_source(config.model)
@@ -117,7 +162,7 @@ class LLM:
         self.scheduler = Scheduler(BlockPool(self.runner.num_kv_blocks, config.enable_prefix_caching),
                                    self.runner.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    propose=self._proposer(config.speculative))
-        self._spec_counts = [0, 0]  # draft tokens proposed, accepted
+        self._intake = RequestIntake(self.tokenizer, self.runner.model_config.vocab_size, self.runner.max_model_len)
         self._requests: dict[str, _Request] = {}
         # Finished outputs not yet handed out; step() returns them, so none is ever dropped.
         self._pending_outputs: list[RequestOutput] = []
@@ -170,6 +215,7 @@ class LLM:
         if n:
             raise InvalidRequestError(f"cannot {what} with {n} request(s) in flight; let them finish or abort them")
 
+    @_drops_frames_on_error
     def sleep(self, level: int = 1) -> dict[str, int]:
         """Give device memory back between rollouts; returns the bytes released by owner.
 
@@ -186,11 +232,13 @@ class LLM:
         self.scheduler.pool.reset_prefix_cache()  # the KV cache is gone
         return freed
 
+    @_drops_frames_on_error
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what sleep released: everything, or only ``["weights"]`` / ``["kv_cache"]``."""
         self._check_alive()
         self.runner.wake_up(tags)
 
+    @_drops_frames_on_error
     def update_weights(self, weights) -> int:
         """Load new weights in place from a state dict or an iterable of (HF name, tensor).
 
@@ -217,47 +265,15 @@ class LLM:
         if self._closed:
             raise EngineShutdownError("this LLM has been shut down; create a new one")
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise InvalidRequestError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
-        if isinstance(prompt, list):
-            return None, list(prompt)
-        raise InvalidRequestError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def _check_token_ids(self, ids: list[int], what: str) -> None:
-        vocab = self.runner.model_config.vocab_size
-        if not ids:
-            raise InvalidRequestError(f"the {what} is empty (0 tokens)")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"{what} token ids must be ints in [0, {vocab})")
-
-    def _validate_tokens(self, ids: list[int]) -> None:
-        self._check_token_ids(ids, "prompt")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
-                f"(max_model_len), which must also hold at least one generated token"
-            )
-
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; it runs on the following ``step()`` calls. Returns its id."""
         self._check_alive()
         self.runner.check_awake()
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
-        self._validate_tokens(ids)
-        vocab = self.runner.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size ({vocab})")
+        return self._enqueue(*self._intake.request(prompt, params), request_id)
+
+    def _enqueue(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request that passed intake: give it an id and its sequences (one per sample)."""
         if request_id is None:
             request_id = str(next(self._request_counter))
             while request_id in self._requests:  # a caller-chosen id may have taken this one
@@ -271,8 +287,8 @@ class LLM:
             if not params.greedy:
                 seed = (params.seed + i) % 2**63 if params.seed is not None else self._seed_rng.getrandbits(62)
                 gen = self.runner.make_generator(seed)
-            seqs.append(Sequence(next(self._seq_counter), request_id, i, ids, params, self.tokenizer, gen))
-        self._requests[request_id] = _Request(request_id, text, ids, seqs)
+            seqs.append(Sequence(next(self._seq_counter), request_id, i, prompt.token_ids, params, self.tokenizer, gen))
+        self._requests[request_id] = _Request(request_id, prompt.text, prompt.token_ids, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
@@ -290,43 +306,30 @@ class LLM:
         """True while requests run or finished outputs wait to be returned by ``step()``."""
         return self.scheduler.has_unfinished() or bool(self._pending_outputs)
 
+    @_drops_frames_on_error
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of requests that finished (or were aborted) since the last."""
         self._check_alive()
         batch = self.scheduler.schedule()
         finished: set[str] = set()  # requests with a sequence that finished in this step
         if batch.seqs:
-            try:
-                sampled = self.runner.execute(batch)
-            except BaseException:
-                # Do not retry a failing batch forever: its requests end with "abort" (their
-                # outputs come back from the next step) and the engine stays usable.
-                for request_id in {seq.request_id for seq in batch.seqs}:
-                    self.scheduler.abort(request_id)
-                self._collect_finished()
-                raise
-            for seq, n in zip(batch.seqs, batch.num_new_tokens):
-                seq.num_computed_tokens += n - len(seq.draft_tokens)  # drafts count once verified
-            for seq, tokens in sampled:
-                for token in tokens:
-                    seq.append_token(token, self.tokenizer.eos_token_ids, self.max_model_len)
-                    if seq.is_finished:
-                        break
-                if seq.draft_tokens:
-                    accepted = len(tokens) - 1  # their keys/values, written this step, are now valid
-                    self._spec_counts[0] += len(seq.draft_tokens)
-                    self._spec_counts[1] += accepted
-                    seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
-                if seq.is_finished:
-                    self.scheduler.finish(seq)
-                    finished.add(seq.request_id)
-            for seq in batch.seqs:
-                seq.draft_tokens = []
-                if not seq.is_finished:
-                    self.scheduler.register_computed_blocks(seq)
+            sampled = self._execute(batch)
+            finished = self.scheduler.update_from_output(batch, sampled, self.tokenizer.eos_token_ids,
+                                                         self.runner.max_model_len)
         self._collect_finished(finished)
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
+        try:
+            return self.runner.execute(batch)
+        except BaseException:
+            # Do not retry a failing batch forever: its requests end with "abort" (their
+            # outputs come back from the next step) and the engine stays usable.
+            for request_id in {seq.request_id for seq in batch.seqs}:
+                self.scheduler.abort(request_id)
+            self._collect_finished()
+            raise
 
     def request_output(self, request_id: str) -> RequestOutput | None:
         """The output so far of a request still in flight (None once finished and collected)."""
@@ -337,17 +340,18 @@ class LLM:
     def stats(self) -> dict:
         """Queue, KV-cache and memory figures for monitoring (cheap; host-side state only)."""
         self._check_alive()
-        pool = self.scheduler.pool
+        scheduler = self.scheduler
+        pool = scheduler.pool
         return {
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "running": len(scheduler.running),
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_blocks - pool.num_free,
-            "preemptions": self.scheduler.num_preemptions,
-            "prefix_cached_tokens": self.scheduler.num_prefix_cached_tokens,
-            "prefill_tokens": self.scheduler.num_prefill_tokens,
-            "spec_draft_tokens": self._spec_counts[0],
-            "spec_accepted_tokens": self._spec_counts[1],
+            "preemptions": scheduler.num_preemptions,
+            "prefix_cached_tokens": scheduler.num_prefix_cached_tokens,
+            "prefill_tokens": scheduler.num_prefill_tokens,
+            "spec_draft_tokens": scheduler.num_spec_draft_tokens,
+            "spec_accepted_tokens": scheduler.num_spec_accepted_tokens,
             "sleeping": bool(self.runner.sleeping),
             "device_memory_bytes": self.runner.ledger.bytes_by_owner(),
         }
@@ -362,38 +366,18 @@ class LLM:
 
     # -- batch API ---------------------------------------------------------------------
 
+    @_drops_frames_on_error
     def generate(self, prompts: PromptType | Iterable[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for one prompt or a list; outputs come back in prompt order."""
         self._check_alive()
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, Iterable):
-            raise InvalidRequestError(f"prompts must be a str, a dict, a list of token ids or a list of those, "
-                                      f"got {type(prompts).__name__}")
-        prompts = list(prompts)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise InvalidRequestError(
-                    f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-            params_list = sampling_params
-        else:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        # Validate everything before queueing anything, so a bad prompt rejects the whole call cleanly.
         self.runner.check_awake()
-        tokenized = []
-        for p, sp in zip(prompts, params_list):
-            if not isinstance(sp, SamplingParams):
-                raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
-            text, token_ids = self._tokenize(p)
-            self._validate_tokens(token_ids)
-            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})  # add_request need not re-tokenize
-        prompts = tokenized
+        requests = self._intake.requests(prompts, sampling_params)  # all checked before any is queued
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params_list):
-                ids.append(self.add_request(p, sp))
+            for prompt, params in requests:
+                ids.append(self._enqueue(prompt, params))
         except BaseException:  # all or nothing: withdraw what this call already queued
             for request_id in ids:
                 self.scheduler.abort(request_id)
@@ -425,19 +409,11 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the model's chat template."""
         self._check_alive()
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts "
-                                      "(or a list of such conversations)")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, add_generation_prompt)}
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(self._intake.conversations(messages, add_generation_prompt), sampling_params, use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (n must be 1)."""
-        params = sampling_params or SamplingParams()
-        if params.n != 1:
-            raise InvalidRequestError("stream() supports n=1 only")
+        params = self._intake.stream_params(sampling_params)
         request_id = self.add_request(prompt, params)
         seq = self._requests[request_id].seqs[0]
         sent = 0
@@ -449,12 +425,16 @@ class LLM:
                 if visible > sent:
                     yield seq.text[sent:visible]
                     sent = visible
+        except BaseException as exc:  # not a decorator: this is a generator
+            drop_traceback_locals(exc, user_frames=False)
+            raise
         finally:
             if not seq.is_finished and not self._closed:
                 # The caller closed its own stream: abort it and do not queue an output nobody wants.
                 self.abort_request(request_id)
             self._pending_outputs = [o for o in others + self._pending_outputs if o.request_id != request_id]
 
+    @_drops_frames_on_error
     def embed(self, texts: PromptType | list[PromptType], pooling: str = "last", normalize: bool = True):
         """Embeddings [N, hidden] (float32, CPU) of texts (or token id lists) from the final hidden states.
 
@@ -463,18 +443,7 @@ class LLM:
         """
         self._check_alive()
         self.runner.check_awake()
-        if isinstance(texts, (str, dict)) or (isinstance(texts, list) and texts and isinstance(texts[0], int)):
-            texts = [texts]
-        if not isinstance(texts, (list, tuple)) or not texts:
-            raise InvalidRequestError("embed() takes a text, a token id list, or a non-empty list of those")
-        token_lists = []
-        for t in texts:
-            ids = self._tokenize(t)[1]
-            self._check_token_ids(ids, "input")
-            if len(ids) > self.max_model_len:
-                raise PromptTooLongError(f"an input has {len(ids)} tokens; embed() takes at most "
-                                         f"{self.max_model_len} (max_model_len)")
-            token_lists.append(ids)
+        token_lists = self._intake.embed_inputs(texts)
         return self.runner.embed(token_lists, pooling, normalize, self.config.max_num_batched_tokens)
 
     def score(self, text: PromptType, others: PromptType | list[PromptType], pooling: str = "last"):
@@ -483,12 +452,12 @@ class LLM:
         vectors = self.embed([text, *others], pooling=pooling, normalize=True)
         return vectors[1:] @ vectors[0]
 
+    @_drops_frames_on_error
     def compute_logits(self, prompt: PromptType):
         """Float32 logits [num_tokens, vocab] at every position of ``prompt`` (a scoring primitive)."""
         self._check_alive()
         self.runner.check_awake()
-        _, ids = self._tokenize(prompt)
-        self._validate_tokens(ids)
+        ids = self._intake.prompt(prompt).token_ids
         seq = Sequence(next(self._seq_counter), "__logits__", 0, ids, SamplingParams(), self.tokenizer, None)
         pool = self.scheduler.pool
         seq.block_table = pool.allocate(-(-len(ids) // self.runner.block_size))
@@ -542,5 +511,9 @@ class LLM:
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            # Ctrl-C mid-generate: the interrupted call's frames still hold the model. Clear tidyrun's
+            # (the user's keep theirs) so that shutdown finds nothing alive, at once.
+            drop_traceback_locals(exc, user_frames=False)
         self.shutdown()

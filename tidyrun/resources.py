@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import sysconfig
 import traceback
 import warnings
 import weakref
@@ -126,18 +128,49 @@ class ResourceLedger:
         return "\n".join(lines)
 
 
-def drop_traceback_locals(exc: BaseException) -> None:
+def drop_traceback_locals(exc: BaseException, user_frames: bool = True) -> None:
     """Clear the locals of finished frames in ``exc``'s traceback (and its causes).
 
     A half-built model referenced by a local of a frame that raised would stay
     alive for as long as the caller holds the exception; clearing those frames
     lets a failed start give its memory back at once.
+
+    ``user_frames=False`` is for an exception that goes back to the user
+    (Ctrl-C mid-generate, a step that failed mid-forward): it clears only the
+    frames of the failed call into tidyrun, from the first tidyrun frame
+    inward, tidyrun's own and those of the libraries it called (torch's
+    ``Module.__call__`` holds its module as ``self``). The caller's frames,
+    and user code that tidyrun called back, keep their locals for debugging.
     """
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
+        if user_frames:
+            traceback.clear_frames(exc.__traceback__)
+        else:
+            _clear_call_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
+
+
+def _clear_call_frames(tb) -> None:
+    """Clear the frames of ``tb`` from its first tidyrun frame inward, except those of user code."""
+    package = os.path.join(os.path.dirname(os.path.realpath(__file__)), "")
+    paths = sysconfig.get_paths()
+    libraries = tuple(os.path.join(os.path.realpath(paths[k]), "")
+                      for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths)
+    inside = False
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        path = os.path.realpath(filename)
+        ours = path.startswith(package)
+        inside = inside or ours
+        # "<string>"-like names inside the call are generated code (dataclass methods), not a user's file.
+        if inside and (ours or filename.startswith("<") or path.startswith(libraries)):
+            try:
+                tb.tb_frame.clear()
+            except RuntimeError:  # still executing (the frame handling the exception)
+                pass
+        tb = tb.tb_next
 
 
 def pinned_host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -7,14 +7,17 @@ starts after the longest prefix of its tokens found in the prefix cache. When a 
 needs a block and none is free, the most recently admitted running sequence
 is preempted: its blocks are freed and it is recomputed later from its
 tokens, which costs compute but never changes its output.
+
+After the runner executed a step, ``update_from_output`` books its result:
+sampled tokens appended, computed-token counts advanced, finished sequences
+freed, speculation counted, newly full blocks offered to the prefix cache.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-
-from collections.abc import Callable
 
 from .kv_cache import BlockPool
 from .sequence import Sequence, SequenceStatus
@@ -45,6 +48,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_prefill_tokens = 0
+        self.num_spec_draft_tokens = 0  # draft tokens verified
+        self.num_spec_accepted_tokens = 0  # of which the target model accepted
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -147,6 +152,36 @@ class Scheduler:
         if p.max_tokens is not None:
             limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
         return self.propose(seq, limit)
+
+    def update_from_output(self, batch: ScheduledBatch, sampled: list[tuple[Sequence, list[int]]],
+                           eos_token_ids: Collection[int], max_model_len: int) -> set[str]:
+        """Book an executed step; returns the ids of requests with a sequence that finished in it.
+
+        ``sampled`` is the runner's (sequence, new tokens) for sequences whose
+        step reached their end: one token, or a speculating sequence's accepted
+        drafts plus one. A chunk of a prefill samples nothing; it only advances.
+        """
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n - len(seq.draft_tokens)  # drafts count once verified
+        finished: set[str] = set()
+        for seq, tokens in sampled:
+            for token in tokens:
+                seq.append_token(token, eos_token_ids, max_model_len)
+                if seq.is_finished:
+                    break
+            if seq.draft_tokens:
+                accepted = len(tokens) - 1  # their keys/values, written this step, are now valid
+                self.num_spec_draft_tokens += len(seq.draft_tokens)
+                self.num_spec_accepted_tokens += accepted
+                seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
+            if seq.is_finished:
+                self.finish(seq)
+                finished.add(seq.request_id)
+        for seq in batch.seqs:
+            seq.draft_tokens = []
+            if not seq.is_finished:
+                self.register_computed_blocks(seq)
+        return finished
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished sequence out of the running set and free its blocks."""

@@ -75,14 +75,13 @@ class TPDriverRunner(ModelRunner):
         group = TPGroup(0, world, device, COLLECTIVE_TIMEOUT_S)
         configs = [dataclasses.replace(config, device=_rank_device(device, r)) for r in range(1, world)]
         try:
-            self.pool = WorkerPool(world, group.address, configs, eos_token_ids,
-                                   COLLECTIVE_TIMEOUT_S)
+            self.pool = WorkerPool(world, group.address, configs, eos_token_ids, COLLECTIVE_TIMEOUT_S)
         except BaseException:
             group.destroy()
             raise
         tp = TPRank(TPShard.of(source.config, 0, world), group, self.pool.agree_num_blocks)
         try:
-            super().__init__(source, config, eos_token_ids, tp)
+            super().__init__(source, config, eos_token_ids, tp=tp)
         except BaseException:
             if getattr(self, "shutdown_report", None) is None:  # refused before its own clean-up (bad config)
                 self.pool.kill()

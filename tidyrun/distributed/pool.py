@@ -67,8 +67,7 @@ class WorkerPool:
         try:
             for rank, config in zip(range(1, world), configs):
                 parent, child = ctx.Pipe()
-                spec = WorkerSpec(rank, world, address, config, eos_token_ids, timeout_s,
-                                  os.getpid())
+                spec = WorkerSpec(rank, world, address, config, eos_token_ids, timeout_s, os.getpid())
                 process = ctx.Process(target=run_worker, args=(spec, child), name=f"tidyrun-tp-rank{rank}",
                                       daemon=True)
                 process.start()

@@ -17,8 +17,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ..engine import LLM, PromptType
+from ..engine import LLM
 from ..errors import EngineShutdownError
+from ..intake import PromptType
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 

@@ -1,0 +1,116 @@
+"""Ctrl-C, or any exception escaping the engine mid-step, leaves nothing alive and ends at once.
+
+The exception's traceback keeps the frames of the interrupted call; theirs
+held the model (a module's ``self``), so shutdown used to find every weight
+alive and spend minutes tracing who held each.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import write_tiny_checkpoint
+
+import tidyrun
+from tidyrun import LLM, SamplingParams
+
+EXIT_WITHIN_S = 2.0
+WAIT_S = 10.0  # how long a child that does not exit in time gets before it is killed and the test fails
+
+
+@pytest.fixture(scope="module")
+def deep_llama_dir(tmp_path_factory, hf_tokenizer_dir) -> str:
+    """A tiny model with many layers and a long context: nearly all of a step's time is spent inside the
+    forward, so that is where a Ctrl-C lands (the case that held the model), and generation lasts minutes."""
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("deep_llama")), hf_tokenizer_dir,
+                                 num_hidden_layers=24, max_position_embeddings=4096)
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    """A Python child that imports this checkout's tidyrun, whatever is installed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tidyrun.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def _wait_for_output(proc: subprocess.Popen, timeout_s: float = 120.0) -> bytes:
+    """The first bytes the child writes to stdout (it has started generating)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    first = os.read(proc.stdout.fileno(), 4096) if ready else b""
+    if not first:
+        proc.kill()
+        pytest.fail(f"the child printed nothing; stderr:\n{proc.communicate()[1].decode()}")
+    return first
+
+
+def _interrupt(proc: subprocess.Popen) -> tuple[float, str, str]:
+    """Ctrl-C the child; returns (seconds until it exited, stdout, stderr)."""
+    time.sleep(0.3)  # well inside generation
+    start = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"still running {WAIT_S:.0f} s after Ctrl-C; stderr:\n{err.decode()[-3000:]}")
+    return time.perf_counter() - start, out.decode(), err.decode()
+
+
+def test_ctrl_c_ends_tidyrun_generate_at_once(deep_llama_dir):
+    proc = _start(["-m", "tidyrun.cli", "generate", "--model", deep_llama_dir, "--device", "cpu", "--raw",
+                   "--max-tokens", "100000", "hello"])
+    _wait_for_output(proc)  # the first streamed text
+    seconds, _, err = _interrupt(proc)
+    assert proc.returncode == 130, err
+    assert err.strip() == "tidyrun: interrupted", err  # one line: no traceback, no survivor report
+    assert seconds < EXIT_WITHIN_S
+
+
+SCRIPT = """
+import sys
+from tidyrun import LLM, SamplingParams
+
+llm = None
+try:
+    with LLM(sys.argv[1], device="cpu") as llm:
+        print("generating", flush=True)
+        llm.generate(["hello", "world"], SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0),
+                     use_tqdm=False)
+except KeyboardInterrupt:
+    print("shutdown:", llm.shutdown(), flush=True)  # the report of the shutdown __exit__ ran
+"""
+
+
+def test_ctrl_c_in_a_with_block_shuts_down_clean_at_once(deep_llama_dir):
+    proc = _start(["-c", SCRIPT, deep_llama_dir])
+    _wait_for_output(proc)
+    seconds, out, err = _interrupt(proc)
+    assert proc.returncode == 0, err
+    assert "shutdown: released" in out and out.rstrip().endswith("nothing survived"), out + err
+    assert seconds < EXIT_WITHIN_S
+
+
+def test_step_failing_mid_forward_keeps_nothing_alive(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, device="cpu")
+    refs = [e.ref for e in llm.runner.ledger.entries()]
+
+    def device_fell_over(x):  # layer 0 and layer 1's attention have run
+        raise RuntimeError("the device fell over in layer 1")
+
+    llm.runner.model.model.layers[1].mlp.forward = device_fell_over
+    llm.add_request("hello", SamplingParams(max_tokens=4))
+    try:
+        llm.step()
+    except RuntimeError as exc:
+        error = exc  # handled and kept, as a caller that reports it later does
+    report = llm.shutdown()
+    assert report.clean, str(report)
+    assert all(r() is None for r in refs)
+    assert "fell over" in str(error)

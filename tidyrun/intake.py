@@ -1,0 +1,140 @@
+"""Request intake: what a caller passes in (prompts, conversations, sampling params), checked and tokenized.
+
+The LLM facade only routes. Every rule about what a request may hold lives
+here, in one small object built from the three facts the rules depend on (the
+tokenizer, the vocabulary size, the context length), so the rules can be
+tested without an engine and a call is checked whole before anything of it is
+queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .errors import InvalidRequestError, PromptTooLongError
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict
+
+
+class Prompt(NamedTuple):
+    """A tokenized prompt: its text (None when it came as token ids) and its token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+def _is_single(prompts) -> bool:
+    """One prompt rather than a list of them: a text, a dict, or a list of token ids."""
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                 and isinstance(prompts[0], int))
+
+
+@dataclass(frozen=True)
+class RequestIntake:
+    """Checks requests against one engine's tokenizer, vocabulary and context length (``max_model_len``)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+
+    def tokenize(self, prompt: PromptType) -> Prompt:
+        """Text and token ids of a prompt given as a str, a list of token ids or a dict (not yet checked)."""
+        if isinstance(prompt, str):
+            return Prompt(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise InvalidRequestError(f"'prompt_token_ids' must be a list of int, got {type(ids).__name__}")
+                return Prompt(prompt.get("prompt"), list(ids))
+            if isinstance(prompt.get("prompt"), str):
+                return Prompt(prompt["prompt"], self.tokenizer.encode(prompt["prompt"]))
+            raise InvalidRequestError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
+        if isinstance(prompt, list):
+            return Prompt(None, list(prompt))
+        raise InvalidRequestError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def check_token_ids(self, ids: list[int], what: str) -> None:
+        if not ids:
+            raise InvalidRequestError(f"the {what} is empty (0 tokens)")
+        vocab = self.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"{what} token ids must be ints in [0, {vocab})")
+
+    def prompt(self, prompt: PromptType) -> Prompt:
+        """A tokenized prompt that fits the context with room for at least one generated token."""
+        tokenized = self.tokenize(prompt)
+        ids = tokenized.token_ids
+        self.check_token_ids(ids, "prompt")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
+                f"(max_model_len), which must also hold at least one generated token"
+            )
+        return tokenized
+
+    def params(self, params: SamplingParams | None) -> SamplingParams:
+        """``params`` (None: the defaults) after the checks that need the vocabulary."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size ({self.vocab_size})")
+        return params
+
+    def stream_params(self, params: SamplingParams | None) -> SamplingParams:
+        """Params of a streamed request: one completion only."""
+        params = self.params(params)
+        if params.n != 1:
+            raise InvalidRequestError("stream() supports n=1 only")
+        return params
+
+    def request(self, prompt: PromptType, params: SamplingParams | None) -> tuple[Prompt, SamplingParams]:
+        return self.prompt(prompt), self.params(params)
+
+    def requests(self, prompts: PromptType | Iterable[PromptType],
+                 params: SamplingParams | list[SamplingParams] | None) -> list[tuple[Prompt, SamplingParams]]:
+        """Every (prompt, params) of a ``generate()`` call, all checked: one bad prompt rejects the whole call."""
+        if _is_single(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise InvalidRequestError(f"prompts must be a str, a dict, a list of token ids or a list of those, "
+                                      f"got {type(prompts).__name__}")
+        prompts = list(prompts)
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+            params_list = params
+        else:
+            params_list = [params] * len(prompts)
+        return [self.request(p, sp) for p, sp in zip(prompts, params_list)]
+
+    def conversations(self, messages: list[dict] | list[list[dict]],
+                      add_generation_prompt: bool = True) -> list[dict]:
+        """Prompts (``{"prompt_token_ids": ...}``) of one conversation or a list of them, through the chat template."""
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts "
+                                      "(or a list of such conversations)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        return [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, add_generation_prompt)}
+                for c in conversations]
+
+    def embed_inputs(self, texts: PromptType | list[PromptType]) -> list[list[int]]:
+        """Token ids of each input of ``embed()``: complete sequences, each at most ``max_model_len`` tokens."""
+        if _is_single(texts):
+            texts = [texts]
+        if not isinstance(texts, (list, tuple)) or not texts:
+            raise InvalidRequestError("embed() takes a text, a token id list, or a non-empty list of those")
+        token_lists = []
+        for t in texts:
+            ids = self.tokenize(t).token_ids
+            self.check_token_ids(ids, "input")
+            if len(ids) > self.max_model_len:
+                raise PromptTooLongError(f"an input has {len(ids)} tokens; embed() takes at most "
+                                         f"{self.max_model_len} (max_model_len)")
+            token_lists.append(ids)
+        return token_lists
