@@ -72,7 +72,7 @@ def initialize_cuda(device: torch.device | str = "cuda") -> tuple[MemorySample, 
     not to any engine: leftover memory is judged against the second reading.
     Both are returned so the first can be reported too.
     """
-    from .resources import capture_stream, free_device_caches
+    from .resources import capture_stream, free_device_caches, warm_cublas
 
     device = torch.device(device)
     torch.cuda.init()
@@ -80,10 +80,7 @@ def initialize_cuda(device: torch.device | str = "cuda") -> tuple[MemorySample, 
     gc.collect()
     torch.cuda.empty_cache()
     context = sample_memory(device)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        a = torch.ones(64, 64, device=device, dtype=dtype)
-        (a @ a).sum().item()
-        del a
+    warm_cublas(device)
     capture_stream(device)
     free_device_caches(device)
     return context, sample_memory(device)

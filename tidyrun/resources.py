@@ -216,6 +216,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     cuStreamCreate: the first ``torch.cuda.Stream()`` of a process creates
     torch's stream pool, 70 MiB at the driver that torch never frees.
     """
+    device = torch.device(device)
+    if device.index is None:  # "cuda" means the current device; compare streams by index
+        device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.graph.default_capture_stream
     if stream is None:
         stream = torch.cuda.graph.default_capture_stream = _new_stream(device)
@@ -223,12 +226,21 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
         stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):  # one workspace per dtype's handle path
-            a = torch.ones(16, 16, device=device, dtype=dtype)
-            a @ a
-            del a
+        warm_cublas(device)
     torch.cuda.current_stream(device).wait_stream(stream)
     return stream
+
+
+def warm_cublas(device: torch.device) -> None:
+    """Make the current stream's cuBLAS and cuBLASLt workspaces now (products with and without a bias, in
+    every dtype the engine runs), so none is first made inside an engine or a capture."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a = torch.ones(16, 16, device=device, dtype=dtype)
+        bias = torch.ones(16, device=device, dtype=dtype)
+        a @ a
+        torch.nn.functional.linear(a, a, bias)
+        torch.nn.functional.linear(a[:1], a)
+        del a, bias
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
