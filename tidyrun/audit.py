@@ -496,12 +496,3 @@ def leaks_since(snap: Snapshot, device: str | None = None) -> list[Survivor]:
              if not (snap.refs.get(id(t)) is not None and snap.refs[id(t)]() is t)
              and (device is None or t.device.type == torch.device(device).type)]
     return trace_survivors(fresh)
-
-
-def survivor(ref: weakref.ref, nbytes: int | None = None) -> Survivor | None:
-    """Describe the object behind ``ref`` and who holds it, or None if it has died.
-
-    One search per call: to describe several objects, ``trace_survivors`` finds them all in one.
-    """
-    found = trace_survivors([(ref, nbytes)])
-    return found[0] if found else None

@@ -58,8 +58,8 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 class ResourceLedger:
     """Weak-reference registry of the device allocations one runner made.
 
-    Owners are released in reverse order of their first ``track`` call, which
-    is the order ``owners_for_release`` returns.
+    It records and proves; it releases nothing. Who releases what, and in
+    which order, is the runner's lifecycle table (runner/lifecycle.py).
     """
 
     def __init__(self) -> None:
@@ -79,13 +79,6 @@ class ResourceLedger:
         where = device if device is not None else str(tensor.device)
         entries.append(LedgerEntry(owner, name, where, weakref.ref(tensor), nbytes))
         return tensor
-
-    def forget(self, owner: str) -> list[LedgerEntry]:
-        """Drop the records of ``owner``; returns those whose tensor is still alive."""
-        return [e for e in self._entries.pop(owner, []) if e.alive]
-
-    def owners_for_release(self) -> list[str]:
-        return list(reversed(self._entries))
 
     def entries(self, owner: str | None = None) -> Iterator[LedgerEntry]:
         for o, entries in self._entries.items():
