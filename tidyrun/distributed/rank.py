@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .group import TPGroup
 from ..model.sharding import TPShard
+from .group import TPGroup
 
 
 @dataclass(frozen=True)

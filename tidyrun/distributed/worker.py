@@ -22,9 +22,9 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import WorkerError
+from ..model.sharding import TPShard
 from .group import TPGroup
 from .rank import TPRank
-from ..model.sharding import TPShard
 
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that its driver still exists
 
