@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .resources import tensor_nbytes
+from .resources import tensor_nbytes, tensor_storage
 
 _MAX_DEPTH = 24
 _MAX_CHAIN = 64  # referrer levels searched from a survivor before its chain is reported as partial
@@ -60,12 +60,8 @@ def _own_nbytes(t: torch.Tensor) -> int:
 
 def _storage_ptr(t: torch.Tensor) -> int:
     """Address of the storage behind ``t``, which identifies it among views; 0 when it has none."""
-    if t.is_meta:
-        return 0
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # sparse tensors have no single storage
-        return 0
+    storage = tensor_storage(t)
+    return 0 if storage is None else storage.data_ptr()
 
 
 def _children(obj) -> Iterable[tuple[str, object]]:

@@ -45,14 +45,20 @@ class LedgerEntry:
         return self.fixed_nbytes if self.fixed_nbytes is not None else tensor_nbytes(t)
 
 
-def tensor_nbytes(t: torch.Tensor) -> int:
-    """Bytes of the storage behind ``t`` (a view counts its whole storage); meta and sparse tensors hold none."""
+def tensor_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage behind ``t``, or None for meta and sparse tensors (they hold none of their own)."""
     if t.is_meta:
-        return 0
+        return None
     try:
-        return t.untyped_storage().nbytes()
+        return t.untyped_storage()
     except RuntimeError:  # sparse tensors have no single storage
-        return 0
+        return None
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage behind ``t`` (a view counts its whole storage)."""
+    storage = tensor_storage(t)
+    return 0 if storage is None else storage.nbytes()
 
 
 class ResourceLedger:
