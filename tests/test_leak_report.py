@@ -39,11 +39,15 @@ def all_dead(refs) -> bool:
     return all(ref() is None for ref, _ in refs)
 
 
+# Timings are this process's CPU time: what the search costs, whatever else shares the machine (CI runs on
+# two busy cores, where wall time can be several times longer).
+
+
 def test_a_thousand_survivors_are_traced_in_one_search_and_grouped():
     ledger, held = tracked(1000)
-    start = time.perf_counter()
+    start = time.process_time()
     survivors = trace_survivors(entries(ledger))
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     print(f"\n1000 survivors traced in {seconds:.3f} s")
     assert len(survivors) == 1000 and seconds < 1.0, seconds
     report = ShutdownReport({"test": 16000}, survivors, seconds)
@@ -59,9 +63,9 @@ def test_an_engines_tensors_are_traced_in_one_search(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, device="cpu")
     held = dict(llm.runner.model.named_parameters())
     refs = entries(llm.runner.ledger)
-    start = time.perf_counter()
+    start = time.process_time()
     report = ShutdownReport(survivors=trace_survivors(refs))
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     print(f"\n{len(report.survivors)} engine tensors traced in {seconds:.3f} s\n{report}")
     assert seconds < 2.0
     groups = report.by_holder()
@@ -79,9 +83,9 @@ def test_an_engines_tensors_are_traced_in_one_search(tiny_llama_dir):
 def test_shutdown_with_held_parameters_is_fast_and_grouped(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, device="cpu")
     held = dict(llm.runner.model.named_parameters())
-    start = time.perf_counter()
+    start = time.process_time()
     report = llm.shutdown()
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     print(f"\nshutdown with {len(report.survivors)} survivors in {seconds:.3f} s\n{report}")
     assert seconds < 2.0
     holder = "frame test_shutdown_with_held_parameters_is_fast_and_grouped() local 'held' (dict)"
