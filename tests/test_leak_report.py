@@ -43,13 +43,43 @@ def all_dead(refs) -> bool:
 # two busy cores, where wall time can be several times longer).
 
 
+THOUSAND = """
+import time, torch, transformers  # the heap of a user's process: torch and transformers imported
+from tidyrun.audit import trace_survivors
+from tidyrun.resources import ResourceLedger
+
+def train():
+    ledger = ResourceLedger()
+    held = {f"t{i}": ledger.track("test", f"t{i}", torch.zeros(4)) for i in range(1000)}
+    start = time.process_time()
+    survivors = trace_survivors([(e.ref, e.fixed_nbytes) for e in ledger.entries()])
+    print(len(survivors), time.process_time() - start, survivors[0].held_by)
+
+train()
+"""
+
+
+def test_a_thousand_survivors_cost_under_a_second():
+    """Timed in a fresh process: each level of the search is one pass over the heap, and this test
+    process's heap holds whatever the tests before it built (measured: 0.34 s at 174k objects, 0.80 s
+    at 1.17M)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", THOUSAND], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    count, seconds, holder = out.stdout.split(maxsplit=2)
+    print(f"\n1000 survivors traced in {float(seconds):.3f} s of CPU")
+    assert int(count) == 1000 and float(seconds) < 1.0
+    assert holder.strip() == "frame train() local 'held' (dict)"
+
+
 def test_a_thousand_survivors_are_traced_in_one_search_and_grouped():
     ledger, held = tracked(1000)
     start = time.process_time()
     survivors = trace_survivors(entries(ledger))
     seconds = time.process_time() - start
-    print(f"\n1000 survivors traced in {seconds:.3f} s")
-    assert len(survivors) == 1000 and seconds < 1.0, seconds
+    assert len(survivors) == 1000
     report = ShutdownReport({"test": 16000}, survivors, seconds)
     holder = "frame test_a_thousand_survivors_are_traced_in_one_search_and_grouped() local 'held'"
     assert list(report.by_holder()) == [f"{holder} (dict)"]
