@@ -17,7 +17,7 @@ from ..config import EngineConfig, ModelConfig
 from ..errors import InvalidRequestError, OutOfResourcesError
 from ..kv_cache import bytes_per_block
 from ..model.sharding import TPShard
-from .weights import ARENA_ALIGN_BYTES
+from .weights import aligned_numel
 
 CPU_KV_BUDGET = 1 << 30  # 1 GiB unless the user says otherwise; pages are only touched when used
 # Left free on the GPU beyond what is computed: the CUDA context's growth, cuBLAS/Triton workspaces.
@@ -43,10 +43,9 @@ def weight_numels(mc: ModelConfig, shard: TPShard) -> list[int]:
 
 
 def weight_bytes(mc: ModelConfig, shard: TPShard, dtype: torch.dtype) -> int:
-    """Bytes of the WeightArena of this rank: every parameter rounded up to ARENA_ALIGN_BYTES."""
+    """Bytes of the WeightArena of this rank, laid out as the arena lays out its parameters."""
     elem = torch.empty((), dtype=dtype).element_size()
-    align = ARENA_ALIGN_BYTES // elem
-    return sum(-(-n // align) * align for n in weight_numels(mc, shard)) * elem
+    return sum(aligned_numel(n, dtype) for n in weight_numels(mc, shard)) * elem
 
 
 def resolve_max_model_len(mc: ModelConfig, config: EngineConfig) -> int:

@@ -155,6 +155,5 @@ class Lifecycle:
             except Exception as exc:  # noqa: BLE001 - one row's failure must not keep the others' memory
                 drop_traceback_locals(exc)
                 errors.append(f"releasing {c.owner} failed: {type(exc).__name__}: {exc}")
-                del exc
         self.asleep, self.level = [], None
         return errors

@@ -469,7 +469,6 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - reported, never turned into a clean report
             drop_traceback_locals(exc)
             errors.append(f"freeing the device caches failed: {type(exc).__name__}: {exc}")
-            del exc
         # Releasing dropped the last references, so refcounting has normally freed everything already; a
         # full collection (~0.25 s on a heap with transformers imported) runs only when something is left
         # (inside trace_survivors, which then finds who holds what reference cycles do not explain).

@@ -19,6 +19,12 @@ from ..resources import ResourceLedger
 ARENA_ALIGN_BYTES = 256
 
 
+def aligned_numel(numel: int, dtype: torch.dtype) -> int:
+    """Elements a parameter of ``numel`` elements takes in the arena, so the next starts on the boundary."""
+    align = ARENA_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    return -(-numel // align) * align
+
+
 class WeightArena:
     """Places a (meta-device) model's parameters in one device buffer.
 
@@ -30,7 +36,6 @@ class WeightArena:
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, ledger: ResourceLedger) -> None:
         self.device, self.dtype, self._ledger = device, dtype, ledger
-        align = ARENA_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
         # Modules by weak reference: the model owns them, the arena only knows where their parameters go.
         self._slots: list[tuple[str, weakref.ref, str, tuple[int, ...], int]] = []
         offset = 0
@@ -40,7 +45,7 @@ class WeightArena:
                     continue
                 self._slots.append((f"{mod_name}.{attr}" if mod_name else attr, weakref.ref(module), attr,
                                     tuple(p.shape), offset))
-                offset += -(-math.prod(p.shape) // align) * align
+                offset += aligned_numel(math.prod(p.shape), dtype)
         self.numel = offset
         self.flat: torch.Tensor | None = None
 
