@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tidyrun.kv_cache import BlockPool
-from tidyrun.sampling import SamplingParams
+from tidyrun.sampling_params import SamplingParams
 from tidyrun.scheduler import Scheduler
 from tidyrun.sequence import Sequence
 from tidyrun.tokenizer import Tokenizer

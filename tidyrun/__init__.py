@@ -5,10 +5,10 @@ from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestErr
                      PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError, WorkerDiedError,
                      WorkerError)
 from .outputs import CompletionOutput, RequestOutput
-from .sampling import SamplingParams
+from .sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = (
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TidyrunError", "ModelLoadError",
+    "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "TidyrunError", "ModelLoadError",
     "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
     "EngineShutdownError", "ResourceLeakError", "WorkerError", "WorkerDiedError")
 __version__ = "0.1.0"

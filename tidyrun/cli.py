@@ -28,7 +28,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _params(args):
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
@@ -85,7 +85,7 @@ def cmd_chat(args) -> int:
 def _audit_tidyrun(args, device) -> Iterator[tuple[str, object]]:
     from .audit import leaks_since, snapshot
     from .engine import LLM
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
     snap = snapshot()
     with LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,

@@ -166,9 +166,19 @@ class EngineConfig:
     # Keep the pinned host copy of the weights between level-1 sleeps (allocated once, reused) instead of
     # freeing it at every wake; costs host memory the size of the weights while awake.
     keep_host_buffers: bool = True
+    # Logprobs, as in vLLM: the most a request may ask for (-1: no limit), and whether they are taken from
+    # the model's own distribution ("raw_logprobs") or the one sampled from ("processed_logprobs": after
+    # penalties, bias, masks, temperature, top-k/p, min-p); the "*_logits" modes return logits instead.
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         from .errors import InvalidRequestError
+
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequestError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise InvalidRequestError(f"max_logprobs must be -1 (no limit) or an int >= 0, got {self.max_logprobs!r}")
 
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -197,6 +207,8 @@ class EngineConfig:
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
 
+
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 DTYPES = MappingProxyType({
     "float32": torch.float32,

@@ -30,7 +30,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, streamable_length
 from .spec_decode import NgramProposer
@@ -44,8 +44,9 @@ class _Request:
     seqs: list[Sequence]
 
     def output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason) for s in self.seqs]
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outs)
+        outs = [CompletionOutput(s.index, s.text, s.output_token_ids, finish_reason=s.finish_reason,
+                                 stop_reason=s.stop_reason) for s in self.seqs]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs=outs)
 
     @property
     def finished(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .errors import InvalidRequestError, PromptTooLongError
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict
@@ -40,6 +40,7 @@ class RequestIntake:
     tokenizer: Tokenizer
     vocab_size: int
     max_model_len: int
+    max_logprobs: int = 20
 
     def tokenize(self, prompt: PromptType) -> Prompt:
         """Text and token ids of a prompt given as a str, a list of token ids or a dict (not yet checked)."""
@@ -65,11 +66,19 @@ class RequestIntake:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"{what} token ids must be ints in [0, {vocab})")
 
-    def prompt(self, prompt: PromptType) -> Prompt:
-        """A tokenized prompt that fits the context with room for at least one generated token."""
+    def prompt(self, prompt: PromptType, truncate: int | None = None) -> Prompt:
+        """A tokenized prompt that fits the context with room for at least one generated token.
+
+        ``truncate`` (a request's ``truncate_prompt_tokens``) keeps only the last that many tokens (-1: the
+        last ``max_model_len - 1``)."""
         tokenized = self.tokenize(prompt)
         ids = tokenized.token_ids
         self.check_token_ids(ids, "prompt")
+        if truncate is not None:
+            keep = self.max_model_len - 1 if truncate == -1 else truncate
+            if len(ids) > keep:
+                ids = ids[len(ids) - keep:]
+                tokenized = Prompt(tokenized.text, ids)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
@@ -78,13 +87,14 @@ class RequestIntake:
         return tokenized
 
     def params(self, params: SamplingParams | None) -> SamplingParams:
-        """``params`` (None: the defaults) after the checks that need the vocabulary."""
+        """A checked copy of ``params`` (None: the defaults) for one request, see ``SamplingParams.resolved``."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size ({self.vocab_size})")
-        return params
+        return params.resolved(self.vocab_size, self.max_logprobs, self.max_model_len, self._encode_word)
+
+    def _encode_word(self, word: str) -> list[int]:
+        return self.tokenizer.encode(word, add_special_tokens=False)
 
     def stream_params(self, params: SamplingParams | None) -> SamplingParams:
         """Params of a streamed request: one completion only."""
@@ -94,7 +104,8 @@ class RequestIntake:
         return params
 
     def request(self, prompt: PromptType, params: SamplingParams | None) -> tuple[Prompt, SamplingParams]:
-        return self.prompt(prompt), self.params(params)
+        params = self.params(params)
+        return self.prompt(prompt, params.truncate_prompt_tokens), params
 
     def requests(self, prompts: PromptType | Iterable[PromptType],
                  params: SamplingParams | list[SamplingParams] | None) -> list[tuple[Prompt, SamplingParams]]:

@@ -1,8 +1,10 @@
-"""What generate() returns, shaped like vLLM's RequestOutput/CompletionOutput."""
+"""What generate() returns, shaped like vLLM's RequestOutput/CompletionOutput (same fields, same order)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .logprobs import PromptLogprobs, SampleLogprobs
 
 
 @dataclass
@@ -10,7 +12,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs; None unless logprobs asked
+    logprobs: SampleLogprobs | None = None  # one {token id: Logprob} per generated token, if asked
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property
@@ -23,7 +27,9 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:

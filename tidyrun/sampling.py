@@ -1,84 +1,12 @@
-"""SamplingParams (vLLM-compatible names) and the sampler that applies them to logits."""
+"""The sampler: turns a batch of (processed) logits into tokens. ``SamplingParams`` lives in sampling_params.py."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidRequestError
-
-# Temperatures below this are treated as greedy (exact argmax), as in vLLM.
-_GREEDY_EPS = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens for one request. Validated on construction; immutable after."""
-
-    n: int = 1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] | str | None = None
-    stop_token_ids: tuple[int, ...] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
-            stop = tuple(stop)
-        else:
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
-        if any(s == "" for s in stop):
-            raise InvalidRequestError("stop strings must not be empty")
-        object.__setattr__(self, "stop", stop)
-        ids = self.stop_token_ids or ()
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise InvalidRequestError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
-        self._validate()
-
-    def _validate(self) -> None:
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid sampling parameter: {msg}")
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not is_int(self.n) or self.n < 1:
-            raise bad(f"n must be an int >= 1, got {self.n!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < float("inf"):
-            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad(f"top_k must be -1, 0 (disabled) or a positive int, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise bad(f"seed must be an int in [0, 2**63) or None, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+from .sampling_params import SamplingParams
 
 
 class Sampler:

@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 

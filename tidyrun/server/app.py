@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
                       TidyrunError)
 from ..outputs import RequestOutput
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..sequence import streamable_length
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics

@@ -21,7 +21,7 @@ from ..engine import LLM
 from ..errors import EngineShutdownError
 from ..intake import PromptType
 from ..outputs import RequestOutput
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 logger = logging.getLogger("tidyrun.server")
 

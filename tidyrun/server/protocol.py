@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidRequestError
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 MAX_N = 64  # choices per request: bounds the work one HTTP call can queue
 

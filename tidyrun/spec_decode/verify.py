@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import Sampler, SamplingParams, draw
+from ..sampling import Sampler, draw
+from ..sampling_params import SamplingParams
 
 
 def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
