@@ -26,13 +26,14 @@ from .errors import EngineShutdownError, InvalidRequestError
 from .intake import Prompt, PromptType, RequestIntake
 from .kv_cache import BlockPool
 from .loader import open_model_source
+from .logprobs import prompt_logprobs, sample_logprobs
 from .outputs import CompletionOutput, RequestOutput
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence, streamable_length
+from .sequence import Sequence, StepOutput, streamable_length
 from .spec_decode import NgramProposer
 
 
@@ -43,14 +44,30 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
 
-    def output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, s.output_token_ids, finish_reason=s.finish_reason,
-                                 stop_reason=s.stop_reason) for s in self.seqs]
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs=outs)
+    def output(self, decode) -> RequestOutput:
+        """The request's output so far; ``decode(token id)`` gives a logprob entry's text."""
+        params = self.seqs[0].params
+        decode = decode if params.detokenize else _no_text
+        outs = [CompletionOutput(s.index, s.text, s.output_token_ids,
+                                 s.cumulative_logprob if s.logprobs is not None else None,
+                                 sample_logprobs(s.logprobs, decode) if s.logprobs is not None else None,
+                                 s.finish_reason, s.stop_reason) for s in self.seqs]
+        first = self.seqs[0]
+        prompt = prompt_logprobs(first.prompt_logprobs, decode) if first.prompt_logprobs is not None else None
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), prompt, outs,
+                             self.num_cached_tokens)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.seqs[0].num_cached_tokens
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+def _no_text(token_id: int) -> None:
+    return None
 
 
 @dataclass
@@ -321,7 +338,7 @@ class LLM:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
+    def _execute(self, batch: ScheduledBatch) -> StepOutput:
         try:
             return self.runner.execute(batch)
         except BaseException:
@@ -336,7 +353,7 @@ class LLM:
         """The output so far of a request still in flight (None once finished and collected)."""
         self._check_alive()
         request = self._requests.get(request_id)
-        return None if request is None else request.output()
+        return None if request is None else request.output(self._decode_token)
 
     def stats(self) -> dict:
         """Queue, KV-cache and memory figures for monitoring (cheap; host-side state only)."""
@@ -357,13 +374,17 @@ class LLM:
             "device_memory_bytes": self.runner.ledger.bytes_by_owner(),
         }
 
+    def _decode_token(self, token_id: int) -> str:
+        """One token's text, as a logprob entry shows it (special tokens included, as in vLLM)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _collect_finished(self, request_ids: set[str] | None = None) -> None:
         """Move finished requests' outputs to the pending list: those of ``request_ids``, or all of them."""
         candidates = self._requests.values() if request_ids is None else (
             self._requests[i] for i in request_ids if i in self._requests)
         for r in [r for r in candidates if r.finished]:
             del self._requests[r.request_id]
-            self._pending_outputs.append(r.output())
+            self._pending_outputs.append(r.output(self._decode_token))
 
     # -- batch API ---------------------------------------------------------------------
 

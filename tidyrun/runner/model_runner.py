@@ -45,14 +45,15 @@ from ..model.ops import TorchOps, TritonOps
 from ..model.sharding import TPShard
 from ..report import ShutdownReport
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
-from ..sampling import Sampler
+from ..logits_process import process_logits
+from ..sampling import Sampler, logprob_records
 from ..scheduler import ScheduledBatch
-from ..sequence import Sequence
+from ..sequence import PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
 from ..spec_decode import accept_greedy, verify_drafts
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
 from .cuda_graphs import CudaGraphManager, default_capture_sizes
 from .device import resolve_device, resolve_dtype, synchronize
-from .input_batch import HostBatch, InputBatch, StepInputs, build_reference_batch, host_batch
+from .input_batch import HostBatch, InputBatch, PromptRows, StepInputs, build_reference_batch, host_batch
 from .kv_plan import plan_kv_cache
 from .lifecycle import SLEEP_TAGS, WEIGHTS, Component, Lifecycle
 from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
@@ -359,18 +360,31 @@ class ModelRunner:
         return None if logits is None else StepLogits(logits, None)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
-        """Run one step; returns (sequence, new tokens) for sequences whose step reached their end.
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step: (sequence, new tokens, logprob records) for sequences whose step reached their end,
+        and the prompt logprob records of prefill chunks that asked for them.
 
         One token per sequence, or, for a speculating sequence, its accepted
         drafts plus one token from the target model.
         """
         self.check_awake()
-        host, seqs = host_batch(batch, self.block_size)
+        host, seqs, prompt_rows = host_batch(batch, self.block_size)
         step = self.forward_logits(host, self._graph_key(batch) if self.graphs is not None else None)
-        if not seqs:
-            return []
+        if step is None:
+            return StepOutput([], [])
         logits, greedy = step
+        num_sampling = len(host.logits_indices) - sum(r.count for r in prompt_rows)
+        prompt = self._prompt_logprobs(logits[num_sampling:], prompt_rows) if prompt_rows else []
+        logits = logits[:num_sampling]
+        if not seqs:
+            return StepOutput([], prompt)
+        if any(s.needs_processing() for s in seqs):
+            return StepOutput(self._sample_processed(logits, seqs), prompt)
+        return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
+
+    def _sample(self, logits: torch.Tensor, greedy: torch.Tensor | None,
+                seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        """The common case: no logprobs, no processing beyond a min_tokens ban of stop tokens."""
         drafts = any(s.draft_tokens for s in seqs)
         if all(s.params.greedy for s in seqs):  # one argmax and one copy to the host for the whole batch
             if not drafts:
@@ -391,13 +405,86 @@ class ModelRunner:
         out, row = [], 0
         for seq in seqs:  # drafts are never scheduled below min_tokens, so no stop-token ban is needed here
             rows = 1 + len(seq.draft_tokens)
-            seq_logits = logits[row:row + rows]
-            if seq.draft_tokens:
-                out.append((seq, verify_drafts(self.sampler, seq_logits, seq.draft_tokens, seq.params, seq.generator)))
-            else:
-                self._ban_stop_tokens_below_min(seq_logits, [seq])
-                out.append((seq, self.sampler(seq_logits, [seq.params], [seq.generator]).tolist()))
+            out.append((seq, self._verify(logits[row:row + rows], seq)))
             row += rows
+        return out
+
+    def _verify(self, logits: torch.Tensor, seq: Sequence) -> list[int]:
+        """Tokens of one sequence's step from its rows of logits (1 + drafts)."""
+        if not seq.draft_tokens:
+            self._ban_stop_tokens_below_min(logits, [seq])
+            return self.sampler(logits.float(), [seq.params], [seq.generator]).tolist()
+        if seq.params.greedy:
+            return accept_greedy(seq.draft_tokens, self.ops.argmax(logits).tolist())
+        return verify_drafts(self.sampler, logits.float(), seq.draft_tokens, seq.params, seq.generator)
+
+    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
+        """A step with sequences that ask for logprobs or logits processing (they never speculate; others
+        in the same step may): those are sampled together, one row each, in a few batched operations."""
+        starts = list(itertools.accumulate((1 + len(s.draft_tokens) for s in seqs), initial=0))
+        out: list[SampledTokens | None] = [None] * len(seqs)
+        plain = [i for i, s in enumerate(seqs) if not s.draft_tokens]
+        for i, seq in enumerate(seqs):
+            if seq.draft_tokens:
+                out[i] = SampledTokens(seq, self._verify(logits[starts[i]:starts[i + 1]], seq))
+        if plain:
+            rows = logits[torch.tensor([starts[i] for i in plain], device=logits.device)].float()
+            for i, (token, record) in zip(plain, self._sample_rows(rows, [seqs[i] for i in plain])):
+                out[i] = SampledTokens(seqs[i], [token], None if record is None else [record])
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        """One token per row of ``logits`` (float32, one row per sequence, modified in place) and, for the
+        sequences that asked, its logprob record in this engine's ``logprobs_mode``."""
+        mode = self.config.logprobs_mode
+        lp = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = logits[torch.tensor(lp, device=logits.device)] if lp and mode.startswith("raw") else None
+        process_logits(logits, seqs, self.eos_token_ids)
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        if not lp:
+            return [(t, None) for t in tokens.tolist()]
+        if raw is not None:
+            scores, lse = raw, (raw.logsumexp(-1) if mode == "raw_logprobs" else None)
+        else:
+            scores, lse = self._processed_scores(logits, [seqs[j] for j in lp], lp, mode), None
+        records = logprob_records(scores, tokens[torch.tensor(lp, device=tokens.device)],
+                                  [seqs[j].params.logprobs for j in lp], lse)
+        by_row = dict(zip(lp, records))
+        return [(t, by_row.get(j)) for j, t in enumerate(tokens.tolist())]
+
+    def _processed_scores(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                          mode: str) -> torch.Tensor:
+        """The distribution each row was sampled from, as log-probabilities ("processed_logprobs") or logits
+        ("processed_logits", -inf where filtered): after processing, temperature, top-k, top-p, min-p.
+        Greedy rows use the processed logits themselves (no temperature)."""
+        sub = logits[torch.tensor(rows, device=logits.device)]
+        scores = sub.log_softmax(-1) if mode == "processed_logprobs" else sub.clone()
+        sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            params = [seqs[j].params for j in sampled]
+            probs = self.sampler.probabilities(sub[index], params)
+            if mode == "processed_logprobs":
+                scores[index] = probs.log()
+            else:
+                temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=sub.dtype)
+                scores[index] = (sub[index] / temps[:, None]).masked_fill(probs == 0, float("-inf"))
+        return scores
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[PromptRows]) -> list[PromptLogprobRecords]:
+        """Records of prompt tokens from the rows predicting them (raw log-probabilities, or raw logits in a
+        "*_logits" mode: prompt tokens are never processed)."""
+        logits = logits.float()
+        targets, ks = [], []
+        for r in prompt_rows:
+            targets += r.seq.token_ids[r.first:r.first + r.count]
+            ks += [r.seq.params.prompt_logprobs] * r.count
+        lse = logits.logsumexp(-1) if self.config.logprobs_mode.endswith("logprobs") else None
+        records = logprob_records(logits, torch.tensor(targets, device=logits.device), ks, lse)
+        out, at = [], 0
+        for r in prompt_rows:
+            out.append(PromptLogprobRecords(r.seq, r.first, records[at:at + r.count]))
+            at += r.count
         return out
 
     @torch.inference_mode()
