@@ -102,8 +102,9 @@ class Sequence:
         output), several at a time: per-token detokenization was the largest
         host cost of a large decode batch. For byte-level BPE vocabularies
         decoding tokens together gives the same text as one by one.
+        Empty when the request asked for ``detokenize=False``.
         """
-        if not self._text_final:
+        if not self._text_final and self.params.detokenize:
             self._catch_up(len(self.token_ids))
         return self._text
 
