@@ -223,6 +223,12 @@ class LLM:
 
     @property
     def is_sleeping(self) -> bool:
+        """Whether anything ``sleep`` released is still released (vLLM's meaning).
+
+        False once every tag is woken, even while weights discarded by a
+        level-2 sleep wait to be pushed; ``generate`` then raises
+        WeightsNotLoadedError naming how many are missing.
+        """
         self._check_alive()
         return bool(self.runner.sleeping)
 
@@ -238,11 +244,15 @@ class LLM:
         """Give device memory back between rollouts; returns the bytes released by owner.
 
         Level 1 copies the weights to pinned host memory (one copy) and frees
-        every device buffer; level 2 discards the weights too (``wake_up``
-        re-reads them from the model files, or ``update_weights`` supplies new
-        ones). While asleep, generation raises EngineSleepingError rather than
-        silently re-allocating memory a trainer may be using; call
-        ``wake_up()`` first.
+        every device buffer; level 2 discards the weights too: waking them
+        only allocates their memory, and the trainer's weights are pushed
+        with ``update_weights`` (or the checkpoint read again with
+        ``runner.reload_weights()``). While asleep, generation raises
+        EngineSleepingError rather than silently re-allocating memory a
+        trainer may be using; call ``wake_up()`` first. Partly woken
+        (``wake_up(["weights"])``), a further sleep releases what is awake at
+        ``level`` and keeps the rest as it sleeps; fully asleep, it is
+        refused with InvalidRequestError.
         """
         self._check_alive()
         self._check_idle("sleep")
@@ -252,7 +262,13 @@ class LLM:
 
     @_drops_frames_on_error
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what sleep released: everything, or only ``["weights"]`` / ``["kv_cache"]``."""
+        """Restore what sleep released: everything, or only ``["weights"]`` / ``["kv_cache"]``.
+
+        Weights slept at level 1 come back as they were; at level 2 they come
+        back allocated but empty (no checkpoint read): generating raises
+        WeightsNotLoadedError until every weight is pushed with
+        ``update_weights`` (or reloaded).
+        """
         self._check_alive()
         self.runner.wake_up(tags)
 
@@ -262,8 +278,10 @@ class LLM:
 
         Names, shapes and dtypes are checked (a dict before anything is
         copied); unknown names are rejected with InvalidRequestError. Works
-        while awake, or while asleep at level 2 (then all weights are needed).
-        Returns the number of tensors loaded.
+        while awake (any subset, in as many calls as wanted: after a level-2
+        wake the model runs again once every weight has been pushed), or
+        while the weights sleep at level 2 (then all of them are needed, and
+        they wake with these). Returns the number of tensors loaded.
         """
         self._check_alive()
         self._check_idle("update weights")

@@ -5,7 +5,7 @@ the same forward and collectives) and, in addition, drives ranks 1..N-1:
 each step's inputs go to the workers as a ``HostBatch`` (plain integer
 lists: token ids, positions, slots, block tables) before the driver runs its
 own part; the logits are gathered on the driver, which alone samples.
-Commands (sleep, wake_up, update_weights, shutdown) go to every rank.
+Commands (sleep, wake_up, update_weights, reload_weights, shutdown) go to every rank.
 
 Any failure that leaves the ranks out of step (a worker died, a collective
 failed) stops the whole group at once: the workers are joined (killed if need
@@ -192,6 +192,11 @@ class TPDriverRunner(ModelRunner):
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._on_all_ranks("wake_up", (tags,), functools.partial(ModelRunner.wake_up, self, tags))
+
+    def reload_weights(self) -> int:
+        """Every rank reads its slice of the checkpoint again (see ModelRunner.reload_weights)."""
+        count, _ = self._on_all_ranks("reload_weights", (), functools.partial(ModelRunner.reload_weights, self))
+        return count
 
     def update_weights(self, weights) -> int:
         """Full (unsharded) tensors in, each rank keeps its slice: names and shapes are checked here first,

@@ -4,7 +4,8 @@ The driver (rank 0) sends commands over a pipe: ``("step", HostBatch,
 all_rows)`` runs the forward and its collectives (no reply: the driver
 receives the gathered logits through the group), ``("sleep", level)``,
 ``("wake_up", tags)``, ``("update_weights", [(name, shape)])`` (the tensors
-follow as broadcasts over the group) and ``("shutdown",)`` answer
+follow as broadcasts over the group), ``("reload_weights",)`` (each rank reads
+its slice of the checkpoint) and ``("shutdown",)`` answer
 ``("ok", value)`` or ``("error", type name, message)``. A failed step or
 weight update leaves the ranks out of step, so the worker reports it and
 exits; the driver turns that into an error. A worker also exits when the
@@ -135,6 +136,8 @@ def _run(runner, op: str, args: tuple):
         return runner.wake_up(*args)
     if op == "update_weights":
         return runner.update_weights(_received_weights(runner, args[0]))
+    if op == "reload_weights":
+        return runner.reload_weights()
     raise WorkerError(f"unknown tensor-parallel command {op!r}")
 
 

@@ -12,10 +12,10 @@ order:
     inputs         the step-input buffers (Triton path)
     cuda_graphs    the captured decode steps and their memory pool (Triton path, unless eager)
 
-Start, ``sleep``, ``wake_up``, the level-2 refill of ``update_weights``,
-failure rollback and ``shutdown`` are loops over that table; shutdown then
-proves, through the ledger's weak references, that nothing survived, and
-names whoever holds what did.
+Start, ``sleep``, ``wake_up``, the level-2 refill of ``update_weights`` and
+``reload_weights``, failure rollback and ``shutdown`` are loops over that
+table; shutdown then proves, through the ledger's weak references, that
+nothing survived, and names whoever holds what did.
 
 As one rank of a tensor-parallel engine (``tp``), the runner holds only its
 slice of the weights and KV heads and its group's communicators. The same
@@ -38,7 +38,7 @@ from ..attention import ForwardContext
 from ..audit import trace_survivors
 from ..config import EngineConfig, ModelConfig
 from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
-                      ResourceLeakError)
+                      ResourceLeakError, WeightsNotLoadedError)
 from ..loader import ModelSource
 from ..model.llama import LlamaForCausalLM
 from ..model.ops import TorchOps, TritonOps
@@ -220,25 +220,42 @@ class ModelRunner:
             raise EngineShutdownError("the model runner has been shut down")
 
     def check_awake(self) -> None:
+        """The choke point of everything that runs the model: asleep, or weights not (all) loaded, raise."""
         self._check_alive()
         if self.sleeping:
             raise EngineSleepingError(
                 f"the engine is asleep (level {self.sleep_level}; released: {', '.join(sorted(self.sleeping))}); "
                 "call wake_up() first")
+        missing = self.weights.missing
+        if missing:
+            raise WeightsNotLoadedError(
+                f"{len(missing)} of the {len(self.weights.names)} weight tensors are not loaded (e.g. "
+                f"{min(missing)!r}): the weights were discarded by sleep(level=2) and woken without loading; "
+                "push them with load_weights()/update_weights() or call collective_rpc('reload_weights')")
+
+    @property
+    def missing_weights(self) -> list[str]:
+        """HF names of the weights the model cannot run without: discarded by sleep(level=2), not pushed since."""
+        return sorted(self.weights.missing)
 
     # -- sleep / wake / weight updates ---------------------------------------------------
 
     def sleep(self, level: int = 1) -> dict[str, int]:
         """Release device memory: level 1 keeps the weights in pinned host memory, level 2 discards them.
 
-        Returns the device bytes released, by ledger owner. A sleep that
-        fails (no pinned memory for the host copy) leaves the engine awake.
+        Returns the device bytes released, by ledger owner. Partly asleep
+        (``wake_up(["weights"])`` after a sleep), it puts what is awake to
+        sleep at ``level`` and leaves the rest at its own level (see
+        lifecycle.py); with nothing awake it is refused. A sleep that fails
+        (no pinned memory for the host copy) leaves awake what was awake.
         """
         self._check_alive()
-        if level not in (1, 2):
+        if level not in (1, 2) or isinstance(level, bool):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
-        if self.lifecycle.asleep:
-            raise InvalidRequestError(f"the engine is already asleep (level {self.sleep_level})")
+        if self.lifecycle.fully_asleep:
+            raise InvalidRequestError(f"the engine is already asleep (level {self.sleep_level}): nothing is awake to "
+                                      "release; call wake_up() first")
+        weights_sleep = WEIGHTS not in self.sleeping
         synchronize(self.device)
         before = self.ledger.bytes_by_owner()
         start = time.perf_counter()
@@ -249,16 +266,19 @@ class ModelRunner:
             after = self.ledger.bytes_by_owner()
         free_device_caches(self.device)
         self.last_transfer = {"sleep_s": time.perf_counter() - start,
-                              "d2h_copy_s": self.host_weights.last_copy_s if level == 1 else 0.0,
+                              "d2h_copy_s": self.host_weights.last_copy_s if level == 1 and weights_sleep else 0.0,
                               "weight_bytes": self.kv_plan.weight_bytes}
         return {k: v - after.get(k, 0) for k, v in before.items() if v - after.get(k, 0) > 0}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore released components (all, or those in ``tags``: "weights", "kv_cache").
 
-        All or nothing: if a component fails to come back (out of memory, an
-        unreadable checkpoint at level 2), what this call restored is released
-        again and the engine is asleep exactly as before the call.
+        Weights asleep at level 1 come back from the host copy; at level 2
+        their memory is only allocated (no read): push them
+        (``update_weights``) or ``reload_weights()`` before generating.
+        All or nothing: if a component fails to come back (out of memory),
+        what this call restored is released again and the engine is asleep
+        exactly as before the call.
         """
         self._check_alive()
         tags = list(SLEEP_TAGS) if tags is None else list(tags)
@@ -269,7 +289,7 @@ class ModelRunner:
 
     def _wake(self, tags: list[str], weights) -> None:
         start = time.perf_counter()
-        level = self.sleep_level
+        from_host = self.lifecycle.level_of(WEIGHTS) == 1
         try:
             woken = self.lifecycle.wake(tags, weights)
         except BaseException as exc:
@@ -278,14 +298,14 @@ class ModelRunner:
             raise
         synchronize(self.device)
         self.last_transfer["wake_s"] = time.perf_counter() - start
-        if self.host_weights in woken and level == 1:
+        if self.host_weights in woken and from_host:
             self.last_transfer["h2d_copy_s"] = self.host_weights.last_copy_s
         graphs = self.graphs
         self.last_transfer["graph_capture_s"] = graphs.capture_seconds if graphs is not None else 0.0
 
     def _check_can_update_weights(self, weights) -> None:
         self._check_alive()
-        if WEIGHTS in self.sleeping and self.sleep_level == 1:
+        if self.lifecycle.level_of(WEIGHTS) == 1:
             raise EngineSleepingError("the engine sleeps at level 1; call wake_up(['weights']) before update_weights()")
         if not hasattr(weights, "items") and not hasattr(weights, "__iter__"):
             raise InvalidRequestError(
@@ -294,11 +314,13 @@ class ModelRunner:
     def update_weights(self, weights) -> int:
         """Copy HF-named tensors into the weights in place; returns how many were loaded.
 
-        While awake any subset may be given. Asleep at level 2 the weights'
-        rows wake with these tensors instead of the model files, and every
-        weight must be given (nothing else could fill the rest); a failure
-        leaves them asleep. A mapping is checked completely before anything is
-        copied.
+        While the weights are awake any subset may be given, in as many calls
+        as wanted (one tensor per call, as TRL pushes them); after a level-2
+        wake the model runs again once every weight has been pushed. While
+        they sleep at level 2 their rows wake with these tensors instead, and
+        every weight must be given (nothing else could fill the rest); a
+        failure leaves them asleep. A mapping is checked completely before
+        anything is copied.
         """
         self._check_can_update_weights(weights)
         refill = WEIGHTS in self.sleeping
@@ -310,9 +332,30 @@ class ModelRunner:
                 self._wake([WEIGHTS], items)
                 count = self.weights.loaded
             else:
-                count = len(self.model.load_weights(items, require_all=False))
+                count = self.weights.load(items)
         except ModelLoadError as exc:
             raise InvalidRequestError(f"update_weights: {exc}") from exc
+        synchronize(self.device)
+        return count
+
+    def reload_weights(self) -> int:
+        """Read every weight again from the model source (the checkpoint the engine started from).
+
+        Awake (after a level-2 wake that only allocated, or to undo pushed
+        weights) it loads in place; while the weights sleep at level 2 it
+        wakes them from the source, all or nothing, as ``update_weights``
+        does with the caller's tensors. At level 1 it is refused (the host
+        copy is what waking restores). Returns the number of tensors read.
+        """
+        self._check_alive()
+        level = self.lifecycle.level_of(WEIGHTS)
+        if level == 1:
+            raise EngineSleepingError("the engine sleeps at level 1; call wake_up(['weights']) before reload_weights()")
+        if level == 2:
+            self._wake([WEIGHTS], self.source.iter_weights())
+            count = self.weights.loaded
+        else:
+            count = self.weights.load(self.source.iter_weights(), require_all=True)
         synchronize(self.device)
         return count
 
