@@ -57,12 +57,14 @@ def completion_logprobs(policy, pairs: list[tuple[list[int], list[int]]]) -> lis
         ids[i, :len(r)] = torch.tensor(r)
         mask[i, :len(r)] = 1
     ids, mask = ids.to(policy.device), mask.to(policy.device)
-    logprobs = policy(ids, attention_mask=mask).logits.float().log_softmax(-1)
-    out = []
-    for i, (p, c) in enumerate(pairs):
-        positions = torch.arange(len(p) - 1, len(p) + len(c) - 1, device=ids.device)
-        out.append(logprobs[i, positions, ids[i, len(p):len(p) + len(c)]])
-    return out
+    hidden = policy.model(ids, attention_mask=mask).last_hidden_state
+    # Only the positions that predict a completion token go through the head and the softmax.
+    rows = torch.cat([torch.full((len(c),), i) for i, (_, c) in enumerate(pairs)]).to(ids.device)
+    cols = torch.cat([torch.arange(len(p) - 1, len(p) + len(c) - 1) for p, c in pairs]).to(ids.device)
+    targets = torch.tensor([t for _, c in pairs for t in c], device=ids.device)
+    logprobs = policy.lm_head(hidden[rows, cols]).float().log_softmax(-1)
+    picked = logprobs.gather(1, targets[:, None])[:, 0]
+    return list(picked.split([len(c) for _, c in pairs]))
 
 
 def main(iterations: int = 2, n: int = 8, max_tokens: int = 12, lr: float = 3e-5, device: str = "cpu",
