@@ -28,7 +28,7 @@ import torch
 from tidyrun import LLM, SamplingParams
 from tidyrun.loader import default_model_path
 
-PROMPTS = ["Name a colour.", "What colour is the sky?", "Pick a colour for a car.", "Which colour do you like?"]
+PROMPTS = ["What colour is the sky?", "Name a colour.", "Pick a colour for a car.", "Which colour do you like?"]
 TARGET = "blue"
 
 
@@ -68,7 +68,7 @@ def completion_logprobs(policy, pairs: list[tuple[list[int], list[int]]]) -> lis
 
 
 def main(iterations: int = 2, n: int = 8, max_tokens: int = 12, lr: float = 3e-5, device: str = "cpu",
-         tolerance: float = 1e-4, seed: int = 0) -> dict:
+         tolerance: float = 1e-4, seed: int = 0, num_prompts: int = len(PROMPTS)) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -81,9 +81,9 @@ def main(iterations: int = 2, n: int = 8, max_tokens: int = 12, lr: float = 3e-5
               gpu_memory_utilization=0.3, enable_sleep_mode=True)
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                             add_generation_prompt=True) for p in PROMPTS]
+                                             add_generation_prompt=True) for p in PROMPTS[:num_prompts]]
     phases.append(("engine built", memory(device)))
-    rewards, max_diffs = [], []
+    rewards, max_diffs, gains = [], [], []  # gains: advantage-weighted change of the completions' logprob
     try:
         for it in range(iterations):
             params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0, seed=seed + it)
@@ -96,7 +96,7 @@ def main(iterations: int = 2, n: int = 8, max_tokens: int = 12, lr: float = 3e-5
             optimizer.zero_grad()
             pairs = [(out.prompt_token_ids, c.token_ids) for out in outputs for c in out.outputs]
             new_logprobs = iter(completion_logprobs(policy, pairs))
-            losses, diffs, scores = [], [], []
+            losses, diffs, scores, advantages, before = [], [], [], [], []
             for out in outputs:
                 group = [reward(c.text) for c in out.outputs]
                 scores += group
@@ -107,10 +107,15 @@ def main(iterations: int = 2, n: int = 8, max_tokens: int = 12, lr: float = 3e-5
                                        device=new.device)
                     diffs.append((new.detach() - old).abs().max().item())
                     advantage = (r - mean) / (std + 1e-4)  # GRPO: rewards normalised within the prompt's group
+                    advantages.append(advantage)
+                    before.append(new.detach().sum())
                     ratio = (new - old).exp()  # == 1 on-policy; the importance-sampling weight TRL applies
                     losses.append(-(ratio * advantage).mean())
             torch.stack(losses).mean().backward()
             optimizer.step()
+            with torch.no_grad():  # did the step move the policy towards the rewarded completions?
+                after = [lp.sum() for lp in completion_logprobs(policy, pairs)]
+            gains.append(statistics.fmean(a * (x - b).item() for a, x, b in zip(advantages, after, before)))
             rewards.append(statistics.fmean(scores))
             max_diffs.append(max(diffs))
             phases.append((f"{it}: trained", memory(device)))
@@ -121,7 +126,7 @@ def main(iterations: int = 2, n: int = 8, max_tokens: int = 12, lr: float = 3e-5
             llm.wake_up(tags=["kv_cache"])
             phases.append((f"{it}: weights pushed ({loaded} tensors)", memory(device)))
             print(f"iteration {it}: mean reward {rewards[-1]:.3f}, rollout vs trainer logprobs max |diff| "
-                  f"{max_diffs[-1]:.2e}")
+                  f"{max_diffs[-1]:.2e}, advantage-weighted logprob gain {gains[-1]:+.4f}")
         final = llm.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens,
                                                      seed=seed + iterations), use_tqdm=False)
         rewards.append(statistics.fmean(reward(c.text) for o in final for c in o.outputs))
@@ -136,7 +141,8 @@ def main(iterations: int = 2, n: int = 8, max_tokens: int = 12, lr: float = 3e-5
     print(f"shutdown: {report}")
     if max(max_diffs) > tolerance:
         raise SystemExit(f"rollout logprobs differ from the trainer's by {max(max_diffs):.2e} > {tolerance}")
-    return {"rewards": rewards, "max_logprob_diff": max(max_diffs), "phases": phases, "clean": report.clean}
+    return {"rewards": rewards, "gains": gains, "max_logprob_diff": max(max_diffs), "phases": phases,
+            "clean": report.clean}
 
 
 if __name__ == "__main__":
@@ -145,10 +151,11 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts to use")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="max |rollout - trainer| logprob (default 1e-4 on the CPU, 2e-3 on CUDA: TF32-free fp32 "
                          "kernels still sum in a different order)")
     args = ap.parse_args()
     tol = args.tolerance if args.tolerance is not None else (1e-4 if args.device == "cpu" else 2e-3)
-    main(args.iterations, args.n, args.max_tokens, args.lr, args.device, tol)
+    main(args.iterations, args.n, args.max_tokens, args.lr, args.device, tol, num_prompts=args.prompts)
