@@ -35,6 +35,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, StepOutput, streamable_length
 from .spec_decode import NgramProposer
+from .structured import GrammarCompiler
 
 
 @dataclass
@@ -181,6 +182,10 @@ class LLM:
                                    self.runner.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    propose=self._proposer(config.speculative))
         self._intake = RequestIntake(self.tokenizer, self.runner.model_config.vocab_size, self.runner.max_model_len)
+        # Structured outputs: grammars compiled per constraint (cached), a matcher per sequence; the library's
+        # view of the vocabulary is built on the first structured request only.
+        self._grammars = GrammarCompiler(self.tokenizer, self.runner.model_config.vocab_size,
+                                         self.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         # Finished outputs not yet handed out; step() returns them, so none is ever dropped.
         self._pending_outputs: list[RequestOutput] = []
@@ -323,7 +328,9 @@ class LLM:
             if not params.greedy:
                 seed = (params.seed + i) % 2**63 if params.seed is not None else self._seed_rng.getrandbits(62)
                 gen = self.runner.make_generator(seed)
-            seqs.append(Sequence(next(self._seq_counter), request_id, i, prompt.token_ids, params, self.tokenizer, gen))
+            grammar = None if params.structured_outputs is None else self._grammars.new_state(params.structured_outputs)
+            seqs.append(Sequence(next(self._seq_counter), request_id, i, prompt.token_ids, params, self.tokenizer, gen,
+                                 grammar))
         self._requests[request_id] = _Request(request_id, prompt.text, prompt.token_ids, seqs)
         for seq in seqs:
             self.scheduler.add(seq)

@@ -18,6 +18,7 @@ from collections.abc import Collection, Sequence as Seq
 import torch
 
 from .sequence import Sequence
+from .structured import apply_bitmask, new_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -92,7 +93,9 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     grammar_rows: list[int] = []
     for row, seq in enumerate(seqs):
         p = seq.params
-        banned = stop_token_bans(seq, eos_token_ids)
+        # A complete grammar allows only EOS: it wins over min_tokens (else no token would be left).
+        done = seq.grammar is not None and seq.grammar.is_terminated
+        banned = set() if done else stop_token_bans(seq, eos_token_ids)
         banned.update(bad_word_bans(seq))
         ban_rows += [row] * len(banned)
         ban_tokens += banned
@@ -116,8 +119,6 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     if ban_rows:
         logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_tokens, device=dev)] = _NEG_INF
     if grammar_rows:
-        from .structured import apply_bitmask, new_bitmask
-
         bitmask = new_bitmask(len(grammar_rows), vocab)
         for i, row in enumerate(grammar_rows):
             seqs[row].grammar.fill_bitmask(bitmask, i)
