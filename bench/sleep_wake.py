@@ -100,8 +100,11 @@ def bench_shape(shape: str, cycles: int, trainer_s: float) -> dict:
     llm.sleep(level=2)
     sleep2_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    llm.wake_up()
+    llm.wake_up()  # allocates only (vLLM's level 2): an RL loop pushes its weights next
     wake2_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.runner.reload_weights()
+    reload2_s = time.perf_counter() - t0
     same2 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == ref
     llm.shutdown()
     steady = rows[1:] or rows
@@ -120,7 +123,7 @@ def bench_shape(shape: str, cycles: int, trainer_s: float) -> dict:
                 wake_copy_after_trainer_fraction=weight_bytes / copy_after / 1e9 / h2d, graph_capture_s=capture,
                 freed_gib=statistics.median(r["freed_gib"] for r in steady),
                 asleep_above_baseline_mib=max(r["asleep_above_baseline_mib"] for r in rows),
-                level2_sleep_s=sleep2_s, level2_wake_s=wake2_s,
+                level2_sleep_s=sleep2_s, level2_wake_s=wake2_s, level2_reload_s=reload2_s,
                 outputs_identical=all(r["outputs_identical"] for r in rows) and same2, cycles=rows)
 
 
@@ -135,15 +138,16 @@ def main() -> None:
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape | weights GiB | freed GiB | asleep vs baseline MiB | first sleep s | sleep s | pinned H2D GB/s "
           "| wake right after sleep: s / copy GB/s / copy vs H2D | wake after trainer step: s / copy GB/s / copy vs H2D "
-          "| of which graph capture s | L2 sleep s | L2 wake s | identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| of which graph capture s | L2 sleep s | L2 wake (allocate only) s | L2 reload s | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['shape']} | {r['weight_gib']:.2f} | {r['freed_gib']:.1f} | {r['asleep_above_baseline_mib']:.0f} "
               f"| {r['first_sleep_s']:.2f} | {r['sleep_s']:.3f} | {r['pinned_h2d_gbps']:.1f} "
               f"| {r['wake_s']:.3f} / {r['wake_copy_gbps']:.1f} / {r['wake_copy_fraction']:.0%} "
               f"| {r['wake_after_trainer_s']:.3f} / {r['wake_copy_after_trainer_gbps']:.1f} / "
               f"{r['wake_copy_after_trainer_fraction']:.0%} | {r['graph_capture_s']:.2f} "
-              f"| {r['level2_sleep_s']:.2f} | {r['level2_wake_s']:.2f} | {r['outputs_identical']} |")
+              f"| {r['level2_sleep_s']:.2f} | {r['level2_wake_s']:.3f} | {r['level2_reload_s']:.2f} "
+              f"| {r['outputs_identical']} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results), f, indent=1)

@@ -51,6 +51,15 @@ def llm(default_model) -> LLM:
 
 
 @pytest.fixture(scope="session")
+def hf_default_model(default_model):
+    """transformers' fp32 model of the same GGUF file: the reference tidyrun is checked against."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(default_model)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer_dir(tmp_path_factory, default_model) -> str:
     """The default model's tokenizer saved as a HF tokenizer folder (for tiny checkpoints)."""
     from transformers import AutoTokenizer

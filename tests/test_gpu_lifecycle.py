@@ -183,7 +183,7 @@ def test_pinned_host_copy_goes_back_to_the_os(checkpoint):
     assert_back_to(base, sample_memory("cuda"))
 
 
-def test_failed_level2_wake_returns_the_device_memory(checkpoint, monkeypatch):
+def test_failed_level2_reload_returns_the_device_memory(checkpoint, monkeypatch):
     base = baseline()
     llm = LLM(checkpoint, device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
     llm.sleep(level=2)
@@ -197,10 +197,11 @@ def test_failed_level2_wake_returns_the_device_memory(checkpoint, monkeypatch):
 
     monkeypatch.setattr(llm.runner.source, "iter_weights", broken)
     with pytest.raises(OSError, match="vanished"):
-        llm.wake_up()
-    assert llm.is_sleeping
+        llm.runner.reload_weights()  # asleep at level 2: wakes the weights reading the checkpoint, all or nothing
+    assert llm.is_sleeping and llm.runner.sleeping == {"weights", "kv_cache"}
     assert_back_to(base, sample_memory("cuda"))
     monkeypatch.undo()
     llm.wake_up()
+    llm.runner.reload_weights()
     assert len(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == len(PROMPTS)
     assert llm.shutdown(strict=True).clean

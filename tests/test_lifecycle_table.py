@@ -68,6 +68,38 @@ def test_every_transition_walks_the_table_in_order():
     assert log == [("release", "step"), ("release", "pg"), ("release", "kv"), ("release", "w")]
 
 
+def test_a_sleep_while_partly_asleep_sleeps_only_the_awake_rows_at_their_own_level():
+    log = []
+    life = table(log)
+    life.start()
+    life.sleep(2)
+    life.wake([WEIGHTS])
+    log.clear()
+    life.sleep(1)
+    assert log == [("sleep1", "w")]  # kv and step sleep on, at level 2
+    assert life.level_of(WEIGHTS) == 1 and life.level_of(KV_CACHE) == 2 and life.level == 2
+    assert life.fully_asleep
+    log.clear()
+    life.wake([WEIGHTS, KV_CACHE])
+    assert log == [("wake1", "w"), ("wake2", "kv"), ("wake2", "step"), ("woken", "w"), ("woken", "kv"),
+                   ("woken", "step")]
+    assert not life.asleep and life.level is None and not life.fully_asleep
+
+
+def test_a_failed_partial_sleep_leaves_the_sleeping_rows_as_they_were():
+    log = []
+    life = table(log, {"w": {"sleep1"}})
+    life.start()
+    life.sleep(2)
+    life.wake([WEIGHTS])
+    log.clear()
+    with pytest.raises(RuntimeError, match="w.sleep1"):
+        life.sleep(1)
+    assert log == [("sleep1", "w")]  # nothing else was awake: nothing to wake again, nothing woken by mistake
+    assert [(c.owner, level) for c, level in life.asleep.items()] == [("kv", 2), ("step", 2)]
+    assert life.level_of(WEIGHTS) is None and not life.fully_asleep
+
+
 def test_failed_acquire_releases_what_was_acquired_in_reverse():
     log = []
     life = table(log, {"pg": {"acquire"}})
@@ -179,26 +211,6 @@ def test_kv_plan_is_made_before_the_model_and_matches_it(tmp_path, hf_tokenizer_
         # 128 KiB hold fewer tokens than the model's 512 positions: the context shrank before the model was built.
         assert plan.max_model_len == llm.max_model_len == llm.runner.model.model.rotary.max_positions < 512
         assert llm.runner.num_kv_blocks == plan.num_blocks
-
-
-def test_kv_plan_charges_the_weights_and_other_users_to_the_gpu_budget():
-    from tidyrun.config import EngineConfig, ModelConfig
-    from tidyrun.errors import OutOfResourcesError
-    from tidyrun.model.sharding import TPShard
-    from tidyrun.runner.kv_plan import plan_kv_cache, weight_bytes
-    import torch
-
-    mc = ModelConfig("llama", 32000, 2048, 8192, 16, 32, 8, 64, 1e-5, 5e5, 4096, True)
-    shard = TPShard.of(mc)
-    gib = 2**30
-    cfg = EngineConfig(max_num_seqs=4096)  # enough sequences that memory, not their count, bounds the cache
-    alone = plan_kv_cache(mc, shard, cfg, torch.bfloat16, (140 * gib, 140 * gib))
-    shared = plan_kv_cache(mc, shard, cfg, torch.bfloat16, (100 * gib, 140 * gib))  # a trainer holds 40 GiB
-    assert alone.weight_bytes == weight_bytes(mc, shard, torch.bfloat16) > gib
-    assert alone.num_blocks > shared.num_blocks > 0
-    with pytest.raises(OutOfResourcesError, match="no device memory left"):
-        plan_kv_cache(mc, shard, EngineConfig(cache=cfg.cache.__class__(gpu_memory_utilization=0.3)),
-                      torch.bfloat16, (100 * gib, 140 * gib))
 
 
 def test_a_failing_cache_release_is_reported_not_passed_for_clean(tiny_llama_dir, monkeypatch):

@@ -35,14 +35,6 @@ def assert_matches_reference(engine: LLM, ref, ids: list[int]) -> None:
     assert out.outputs[0].token_ids == hf_greedy(ref, ids, NUM_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def hf_default_model(default_model):
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(default_model)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-
-
 def test_default_gguf_matches_transformers(llm, hf_default_model):
     ids = llm.tokenizer.apply_chat_template(CHAT)
     assert_matches_reference(llm, hf_default_model, ids)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tidyrun import LLM, EngineSleepingError, InvalidRequestError, SamplingParams
+from tidyrun import LLM, EngineSleepingError, InvalidRequestError, SamplingParams, WeightsNotLoadedError
 from tidyrun.audit import leaks_since, snapshot
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -53,15 +54,27 @@ def test_outputs_identical_after_sleep_and_wake(engine, level):
     assert remaining == ({"host_weights": engine.runner.arena.nbytes} if level == 1 else {})
     engine.wake_up()
     assert not engine.is_sleeping
+    if level == 2:  # woken without loading (vLLM's level 2): the checkpoint is read again only on request
+        with pytest.raises(WeightsNotLoadedError, match="reload_weights"):
+            greedy(engine)
+        engine.runner.reload_weights()
     assert greedy(engine) == before
 
 
-def test_level2_on_the_default_gguf_rereads_the_file(default_model):
+def test_level2_on_the_default_gguf_wakes_without_reading_and_reloads_on_request(default_model):
     with LLM(default_model, device="cpu", max_model_len=256) as llm:
         before = greedy(llm)
         llm.sleep(level=2)
         assert llm.runner.ledger.bytes_by_owner() == {}
         llm.wake_up()
+        wake_s = llm.runner.last_transfer["wake_s"]
+        with pytest.raises(WeightsNotLoadedError):
+            greedy(llm)
+        start = time.perf_counter()
+        llm.runner.reload_weights()
+        reload_s = time.perf_counter() - start
+        print(f"\nlevel-2 wake (allocate only) {wake_s:.3f} s; reload of the checkpoint {reload_s:.2f} s")
+        assert wake_s < reload_s / 5
         assert greedy(llm) == before
 
 
@@ -175,6 +188,8 @@ def test_twenty_sleep_wake_cycles_without_growth(engine):
     for i in range(20):
         engine.sleep(level=1 if i % 2 else 2)
         engine.wake_up()
+        if i % 2 == 0:
+            engine.runner.reload_weights()
     assert len(list(engine.runner.ledger.entries())) == entries
     gc.collect()
     assert sum(1 for o in gc.get_objects() if str(getattr(type(o), "__module__", "")).startswith("tidyrun")) <= objects
@@ -245,8 +260,8 @@ def test_failed_wake_stays_asleep_and_can_be_retried(engine, monkeypatch):
     assert greedy(engine) == before
 
 
-def test_failed_level2_wake_gives_the_weights_back(tiny_llama_dir, monkeypatch):
-    """A checkpoint that breaks half-way through a level-2 wake: back to a clean level-2 sleep, not stuck."""
+def test_failed_level2_reload_gives_the_weights_back(tiny_llama_dir, monkeypatch):
+    """A checkpoint that breaks half-way through a level-2 reload: back to a clean level-2 sleep, not stuck."""
     llm = LLM(tiny_llama_dir, device="cpu")
     before = greedy(llm)
     llm.sleep(level=2)
@@ -261,14 +276,17 @@ def test_failed_level2_wake_gives_the_weights_back(tiny_llama_dir, monkeypatch):
 
     monkeypatch.setattr(source, "iter_weights", broken)
     with pytest.raises(OSError, match="vanished"):
-        llm.wake_up(["weights"])
+        llm.runner.reload_weights()
     assert llm.is_sleeping and llm.runner.sleeping == {"weights", "kv_cache"}
     assert llm.runner.ledger.bytes_by_owner() == {}  # the half-filled weight buffer is gone
     monkeypatch.undo()
+    llm.runner.reload_weights()  # asleep at level 2: wakes the weights from the checkpoint
+    assert llm.runner.sleeping == {"kv_cache"}
     llm.wake_up()
     assert greedy(llm) == before
     llm.sleep(level=2)
     llm.wake_up()
+    llm.runner.reload_weights()
     assert greedy(llm) == before
     refs = [e.ref for e in llm.runner.ledger.entries()]
     assert llm.shutdown().clean

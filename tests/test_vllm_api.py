@@ -16,7 +16,6 @@ from tidyrun import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 from tidyrun.config import EngineConfig
 from tidyrun.loader import open_model_source
 from tidyrun.loader.dummy import checkpoint_shapes
-from tidyrun.runner.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 42], [9, 8, 7]]
@@ -328,13 +327,16 @@ def test_collective_rpc(dummy, neutral, reference):
         dummy.collective_rpc("load_weights", timeout=5.0, kwargs={"weights": []})
 
 
-@pytest.mark.skipif(not hasattr(ModelRunner, "reload_weights"),
-                    reason="ModelRunner.reload_weights (helper 'sleep') has not landed in this branch yet")
 def test_collective_rpc_reload_weights(dummy, neutral, reference):
     neutral.load_weights((n, torch.zeros_like(t)) for n, t in neutral.source.iter_weights()
                          if n.endswith("o_proj.weight"))
     assert greedy(neutral) != reference
     neutral.collective_rpc("reload_weights")
+    assert greedy(neutral) == reference
+    neutral.sleep(level=2)  # verl's and TRL's cycle: weights discarded, woken empty, filled, then the KV cache
+    neutral.wake_up(["weights"])
+    assert neutral.collective_rpc("reload_weights") == [len(list(neutral.source.iter_weights()))]
+    neutral.wake_up(["kv_cache"])
     assert greedy(neutral) == reference
     dummy.collective_rpc("reload_weights")  # the dummy source re-reads its own (random) weights
     assert greedy(dummy) != reference
@@ -376,6 +378,8 @@ def test_collective_rpc_reaches_every_tensor_parallel_rank(tmp_path):
         assert llm.collective_rpc("load_weights", kwargs={"weights": noisy}) == [2, 2]
         assert greedy(llm) != before
         assert llm.collective_rpc("load_weights", args=(weights,)) == [len(weights)] * 2
+        llm.collective_rpc("load_weights", kwargs={"weights": noisy})
+        assert llm.collective_rpc("reload_weights") == [len(weights)] * 2  # every rank reads its slice again
         with pytest.raises(InvalidRequestError, match="must be picklable"):
             llm.collective_rpc(lambda runner: runner.shard.rank)
         with pytest.raises(ValueError, match="refused on rank 0"):

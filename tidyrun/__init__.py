@@ -2,13 +2,14 @@
 
 from .engine import LLM
 from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
-                     PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError, WorkerDiedError,
-                     WorkerError)
+                     PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError, WeightsNotLoadedError,
+                     WorkerDiedError, WorkerError)
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = (
     "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "TidyrunError", "ModelLoadError",
     "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
-    "EngineShutdownError", "ResourceLeakError", "WorkerError", "WorkerDiedError")
+    "EngineShutdownError", "EngineSleepingError", "WeightsNotLoadedError", "ResourceLeakError", "WorkerError",
+    "WorkerDiedError")
 __version__ = "0.1.0"

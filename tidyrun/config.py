@@ -81,9 +81,12 @@ class CacheConfig:
     """How the paged KV cache is sized.
 
     ``num_blocks`` fixes the block count; otherwise it is derived from
-    ``memory_bytes`` (CPU; default 1 GiB, capped at what ``max_num_seqs`` full
-    contexts need) or from ``gpu_memory_utilization`` of the device's free
-    memory after the weights are loaded (CUDA).
+    ``memory_bytes`` (vLLM's ``kv_cache_memory_bytes``; CPU default 1 GiB),
+    or on CUDA from ``gpu_memory_utilization``: as in vLLM, the share of the
+    whole device this engine may use, weights and activations included,
+    what others hold not charged to it but required to be free
+    (``runner.kv_plan.gpu_kv_budget``). Capped at what ``max_num_seqs`` full
+    contexts need.
     """
 
     block_size: int = 16

@@ -32,6 +32,7 @@ from .intake import Prompt, PromptType, RequestIntake
 from .kv_cache import BlockPool
 from .llm_engine import WeightSyncPath
 from .loader import generation_defaults, open_engine_source, open_engine_tokenizer
+from .logprobs import prompt_logprobs, sample_logprobs
 from .outputs import CompletionOutput, RequestOutput
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
@@ -39,7 +40,7 @@ from .runner import ModelRunner
 from .runner.rpc import call_on_rank, check_rpc_method
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence, streamable_length
+from .sequence import Sequence, StepOutput, streamable_length
 from .spec_decode import NgramProposer
 
 
@@ -50,14 +51,30 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
 
-    def output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, s.output_token_ids, finish_reason=s.finish_reason,
-                                 stop_reason=s.stop_reason) for s in self.seqs]
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs=outs)
+    def output(self, decode) -> RequestOutput:
+        """The request's output so far; ``decode(token id)`` gives a logprob entry's text."""
+        params = self.seqs[0].params
+        decode = decode if params.detokenize else _no_text
+        outs = [CompletionOutput(s.index, s.text, s.output_token_ids,
+                                 s.cumulative_logprob if s.logprobs is not None else None,
+                                 sample_logprobs(s.logprobs, decode) if s.logprobs is not None else None,
+                                 s.finish_reason, s.stop_reason) for s in self.seqs]
+        first = self.seqs[0]
+        prompt = prompt_logprobs(first.prompt_logprobs, decode) if first.prompt_logprobs is not None else None
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), prompt, outs,
+                             self.num_cached_tokens)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.seqs[0].num_cached_tokens
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+def _no_text(token_id: int) -> None:
+    return None
 
 
 @dataclass
@@ -274,6 +291,12 @@ class LLM:
 
     @property
     def is_sleeping(self) -> bool:
+        """Whether anything ``sleep`` released is still released (vLLM's meaning).
+
+        False once every tag is woken, even while weights discarded by a
+        level-2 sleep wait to be pushed; ``generate`` then raises
+        WeightsNotLoadedError naming how many are missing.
+        """
         self._check_alive()
         return bool(self.runner.sleeping)
 
@@ -289,11 +312,15 @@ class LLM:
         """Give device memory back between rollouts; returns the bytes released by owner.
 
         Level 1 copies the weights to pinned host memory (one copy) and frees
-        every device buffer; level 2 discards the weights too (``wake_up``
-        re-reads them from the model files, or ``update_weights`` supplies new
-        ones). While asleep, generation raises EngineSleepingError rather than
-        silently re-allocating memory a trainer may be using; call
-        ``wake_up()`` first.
+        every device buffer; level 2 discards the weights too: waking them
+        only allocates their memory, and the trainer's weights are pushed
+        with ``update_weights`` (or the checkpoint read again with
+        ``collective_rpc("reload_weights")``). While asleep, generation raises
+        EngineSleepingError rather than silently re-allocating memory a
+        trainer may be using; call ``wake_up()`` first. Partly woken
+        (``wake_up(["weights"])``), a further sleep releases what is awake at
+        ``level`` and keeps the rest as it sleeps; fully asleep, it is
+        refused with InvalidRequestError.
         """
         self._check_alive()
         self._check_idle("sleep")
@@ -303,7 +330,13 @@ class LLM:
 
     @_drops_frames_on_error
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what sleep released: everything, or only ``["weights"]`` / ``["kv_cache"]``."""
+        """Restore what sleep released: everything, or only ``["weights"]`` / ``["kv_cache"]``.
+
+        Weights slept at level 1 come back as they were; at level 2 they come
+        back allocated but empty (no checkpoint read): generating raises
+        WeightsNotLoadedError until every weight is pushed with
+        ``update_weights`` (or reloaded).
+        """
         self._check_alive()
         self.runner.wake_up(tags)
 
@@ -313,8 +346,10 @@ class LLM:
 
         Names, shapes and dtypes are checked (a dict before anything is
         copied); unknown names are rejected with InvalidRequestError. Works
-        while awake, or while asleep at level 2 (then all weights are needed).
-        Returns the number of tensors loaded.
+        while awake (any subset, in as many calls as wanted: after a level-2
+        wake the model runs again once every weight has been pushed), or
+        while the weights sleep at level 2 (then all of them are needed, and
+        they wake with these). Returns the number of tensors loaded.
         """
         self._check_alive()
         self._check_idle("update weights")
@@ -450,7 +485,7 @@ class LLM:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
+    def _execute(self, batch: ScheduledBatch) -> StepOutput:
         try:
             return self.runner.execute(batch)
         except BaseException:
@@ -465,7 +500,7 @@ class LLM:
         """The output so far of a request still in flight (None once finished and collected)."""
         self._check_alive()
         request = self._requests.get(request_id)
-        return None if request is None else request.output()
+        return None if request is None else request.output(self._decode_token)
 
     def stats(self) -> dict:
         """Queue, KV-cache and memory figures for monitoring (cheap; host-side state only)."""
@@ -486,13 +521,17 @@ class LLM:
             "device_memory_bytes": self.runner.ledger.bytes_by_owner(),
         }
 
+    def _decode_token(self, token_id: int) -> str:
+        """One token's text, as a logprob entry shows it (special tokens included, as in vLLM)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _collect_finished(self, request_ids: set[str] | None = None) -> None:
         """Move finished requests' outputs to the pending list: those of ``request_ids``, or all of them."""
         candidates = self._requests.values() if request_ids is None else (
             self._requests[i] for i in request_ids if i in self._requests)
         for r in [r for r in candidates if r.finished]:
             del self._requests[r.request_id]
-            self._pending_outputs.append(r.output())
+            self._pending_outputs.append(r.output(self._decode_token))
 
     # -- batch API ---------------------------------------------------------------------
 

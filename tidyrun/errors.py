@@ -38,6 +38,14 @@ class EngineSleepingError(TidyrunError, RuntimeError):
     """A call needs device state that ``sleep()`` released; call ``wake_up()`` first."""
 
 
+class WeightsNotLoadedError(EngineSleepingError):
+    """The weights were discarded by ``sleep(level=2)`` and woken without loading; push or reload them first.
+
+    A subclass of EngineSleepingError: code that waits for an engine to be
+    awake catches both, and the message names what is missing and what to call.
+    """
+
+
 class ResourceLeakError(TidyrunError, RuntimeError):
     """``shutdown(strict=True)`` found device tensors that outlived the runner."""
 

@@ -19,3 +19,22 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 # Per prompt token: None for the first (nothing predicts it), then {token id: Logprob}.
 PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+def to_logprob_dict(record, decode) -> dict[int, Logprob]:
+    """{token id: Logprob} of one record (token, value, rank, top ids, top values): the token first, then the
+    top-k with ranks 1..k (the token appears once). ``decode(id)`` gives a token's text, or None."""
+    token, value, rank, top_ids, top_values = record
+    out = {token: Logprob(value, rank, decode(token))}
+    for r, (t, v) in enumerate(zip(top_ids, top_values), start=1):
+        if t not in out:
+            out[t] = Logprob(v, r, decode(t))
+    return out
+
+
+def sample_logprobs(records, decode) -> SampleLogprobs:
+    return [to_logprob_dict(r, decode) for r in records]
+
+
+def prompt_logprobs(records, decode) -> PromptLogprobs:
+    return [None if r is None else to_logprob_dict(r, decode) for r in records]

@@ -57,3 +57,26 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     """One index drawn from ``probs`` (1-D) with ``generator``: the exponential race argmax(p / E), E ~ Exp(1)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax()
+
+
+def logprob_records(scores: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int],
+                    shift: torch.Tensor | None = None) -> list[tuple[int, float, int, list[int], list[float]]]:
+    """Per row: (token, its score, its 1-based rank, the top-k ids, their scores), k = ``ks[row]``.
+
+    ``scores`` [rows, vocab] are log-probabilities or logits; ``shift`` (a row's
+    logsumexp) turns logits into log-probabilities without materialising
+    ``log_softmax`` over the vocabulary (ranks and top-k do not change).
+    Everything is computed on the scores' device and comes to the host in
+    one copy, whatever the number of rows.
+    """
+    value = scores.gather(1, tokens[:, None])[:, 0]
+    rank = (scores > value[:, None]).sum(-1)
+    k = max(ks)
+    top_values, top_ids = scores.topk(k, dim=-1) if k else (scores[:, :0], tokens[:, None][:, :0])
+    if shift is not None:
+        value, top_values = value - shift, top_values - shift[:, None]
+    # float64 holds every token id and rank exactly (< 2**53): one tensor, one copy to the host.
+    packed = torch.cat([tokens[:, None].double(), value[:, None].double(), rank[:, None].double() + 1,
+                        top_ids.double(), top_values.double()], dim=1).tolist()
+    return [(int(row[0]), row[1], int(row[2]), [int(t) for t in row[3:3 + n]], row[3 + k:3 + k + n])
+            for row, n in zip(packed, ks)]

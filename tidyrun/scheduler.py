@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from .kv_cache import BlockPool
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, StepOutput
 
 
 @dataclass
@@ -70,8 +70,11 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks for the start of a sequence that holds no blocks yet.
 
-        At least the last token is always recomputed: its logits are needed.
+        At least the last token is always recomputed: its logits are needed. A request that asked for
+        prompt logprobs computes its whole prompt (cached blocks would skip their logits).
         """
+        if seq.prompt_logprobs is not None:
+            return []
         full = (seq.num_tokens - 1) // self.block_size
         return self.pool.lookup(seq.block_hashes(self.block_size, full)) if full else []
 
@@ -135,7 +138,7 @@ class Scheduler:
             self.pool.share(cached)
             seq.block_table = cached + self.pool.allocate(need)
             seq.num_registered_blocks = len(cached)
-            seq.num_computed_tokens = start
+            seq.num_computed_tokens = seq.num_cached_tokens = start
             self.num_prefix_cached_tokens += start
             self.num_prefill_tokens += seq.num_tokens
             self.running.append(seq)
@@ -145,7 +148,8 @@ class Scheduler:
         return ScheduledBatch(seqs, counts)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        if seq.below_min_tokens():
+        # Logprobs and logits processing are per sampled token: such sequences decode one token a step.
+        if seq.below_min_tokens() or seq.needs_processing():
             return []
         p = seq.params
         limit = budget - 1
@@ -153,20 +157,23 @@ class Scheduler:
             limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
         return self.propose(seq, limit)
 
-    def update_from_output(self, batch: ScheduledBatch, sampled: list[tuple[Sequence, list[int]]],
+    def update_from_output(self, batch: ScheduledBatch, output: StepOutput,
                            eos_token_ids: Collection[int], max_model_len: int) -> set[str]:
         """Book an executed step; returns the ids of requests with a sequence that finished in it.
 
-        ``sampled`` is the runner's (sequence, new tokens) for sequences whose
-        step reached their end: one token, or a speculating sequence's accepted
-        drafts plus one. A chunk of a prefill samples nothing; it only advances.
+        ``output.sampled`` holds the runner's new tokens (and logprob records)
+        for sequences whose step reached their end: one token, or a
+        speculating sequence's accepted drafts plus one. A chunk of a prefill
+        samples nothing; it only advances (and may bring prompt logprobs).
         """
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n - len(seq.draft_tokens)  # drafts count once verified
+        for seq, first, records in output.prompt_logprobs:
+            seq.record_prompt_logprobs(first, records)
         finished: set[str] = set()
-        for seq, tokens in sampled:
-            for token in tokens:
-                seq.append_token(token, eos_token_ids, max_model_len)
+        for seq, tokens, logprobs in output.sampled:
+            for i, token in enumerate(tokens):
+                seq.append_token(token, eos_token_ids, max_model_len, None if logprobs is None else logprobs[i])
                 if seq.is_finished:
                     break
             if seq.draft_tokens:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +18,34 @@ def streamable_length(text: str, stop: tuple[str, ...], finished: bool) -> int:
     if finished or not stop:
         return len(text)
     return max(0, len(text) - (max(len(s) for s in stop) - 1))
+
+
+# One token's logprob record, as the runner computed it: (token id, value, 1-based rank, top-k ids,
+# top-k values). Kept as plain numbers until an output is built (see logprobs.to_logprob_dicts).
+TokenLogprob = tuple[int, float, int, list[int], list[float]]
+
+
+class SampledTokens(NamedTuple):
+    """What one step produced for one sequence: its new tokens and, if it asked, their logprob records."""
+
+    seq: "Sequence"
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+class PromptLogprobRecords(NamedTuple):
+    """Logprob records of prompt tokens ``first``, ``first + 1``, ... of one sequence, from one step."""
+
+    seq: "Sequence"
+    first: int
+    records: list[TokenLogprob]
+
+
+class StepOutput(NamedTuple):
+    """What the runner returns for one step, for the scheduler to book."""
+
+    sampled: list[SampledTokens]
+    prompt_logprobs: list[PromptLogprobRecords]
 
 
 class SequenceStatus(enum.Enum):
@@ -33,7 +62,8 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer: Tokenizer, generator: torch.Generator | None) -> None:
+                 params: SamplingParams, tokenizer: Tokenizer, generator: torch.Generator | None,
+                 grammar=None) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index
@@ -41,6 +71,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served when it was last admitted
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -53,6 +84,14 @@ class Sequence:
         self.draft_tokens: list[int] = []  # speculative tokens scheduled for this step (verified, then cleared)
         self._block_hashes: list[int] = []
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        # Logprobs, when asked: one record per output token, their running sum, and one per prompt token
+        # (index i: token i given tokens < i; index 0 stays None). Prompt records are written by position,
+        # so recomputing a prompt after a preemption writes the same entries again.
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
+        self.grammar = grammar  # structured outputs: where this sequence is in its grammar (host state)
 
     @property
     def text(self) -> str:
@@ -63,8 +102,9 @@ class Sequence:
         output), several at a time: per-token detokenization was the largest
         host cost of a large decode batch. For byte-level BPE vocabularies
         decoding tokens together gives the same text as one by one.
+        Empty when the request asked for ``detokenize=False``.
         """
-        if not self._text_final:
+        if not self._text_final and self.params.detokenize:
             self._catch_up(len(self.token_ids))
         return self._text
 
@@ -79,6 +119,8 @@ class Sequence:
 
     def _final_text(self, end: int) -> None:
         """Text of the tokens before ``end`` plus whatever the detokenizer still holds back."""
+        if not self.params.detokenize:
+            return
         self._catch_up(end)
         self._text += self._detok.flush()
         self._text_final = True
@@ -119,9 +161,26 @@ class Sequence:
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
-    def append_token(self, token_id: int, eos_token_ids: Collection[int], max_model_len: int) -> None:
+    def needs_processing(self) -> bool:
+        """Whether this sequence's logits need more than temperature/top-k/top-p/min-p and a min_tokens
+        stop-token ban (penalties, bias, masks, structured outputs) or logprobs: such sequences never
+        speculate and take the runner's general sampling path."""
+        p = self.params
+        return p.processes_logits or p.logprobs is not None
+
+    def record_prompt_logprobs(self, first: int, records: list[TokenLogprob]) -> None:
+        """Logprob records of prompt tokens ``first``, ``first + 1``, ... (a prefill chunk's)."""
+        self.prompt_logprobs[first:first + len(records)] = records
+
+    def append_token(self, token_id: int, eos_token_ids: Collection[int], max_model_len: int,
+                     logprob: TokenLogprob | None = None) -> None:
         """Add a sampled token and finish the sequence if a stop condition holds."""
         self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            self.cumulative_logprob += logprob[1]
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         p = self.params
         num_output = len(self.token_ids) - self.num_prompt_tokens  # computed once: this runs per sequence per step
         allowed_to_stop = num_output >= p.min_tokens

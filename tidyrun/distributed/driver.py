@@ -196,6 +196,11 @@ class TPDriverRunner(ModelRunner):
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._on_all_ranks("wake_up", (tags,), functools.partial(ModelRunner.wake_up, self, tags))
 
+    def reload_weights(self) -> int:
+        """Every rank reads its slice of the checkpoint again (see ModelRunner.reload_weights)."""
+        count, _ = self._on_all_ranks("reload_weights", (), functools.partial(ModelRunner.reload_weights, self))
+        return count
+
     def update_weights(self, weights) -> int:
         """Full (unsharded) tensors in, each rank keeps its slice: names and shapes are checked here first,
         then every tensor is broadcast to the workers as this rank loads it."""
@@ -218,11 +223,6 @@ class TPDriverRunner(ModelRunner):
             if reply[0] == "error":
                 raise self._stop_group(WorkerError(
                     f"tensor-parallel worker rank {rank} failed to update weights: {reply[1]}: {reply[2]}"))
-        return count
-
-    def reload_weights(self) -> int:
-        """Every rank re-reads its slice of the weights from the model source, at the same time."""
-        count, _ = self._on_all_ranks("reload_weights", (), functools.partial(ModelRunner.reload_weights, self))
         return count
 
     def collective_rpc(self, method, args: tuple, kwargs: dict) -> list:

@@ -27,7 +27,7 @@ from ..errors import WorkerDiedError, WorkerError
 from .worker import WorkerSpec, run_worker
 
 START_TIMEOUT_S = 600.0  # a worker opening the model and loading its slice
-REPLY_TIMEOUT_S = 600.0  # sleep / wake_up (may re-read the weights) / update_weights
+REPLY_TIMEOUT_S = 600.0  # sleep / wake_up / reload_weights (re-reads the weights) / update_weights
 EXIT_TIMEOUT_S = 30.0  # each phase of a shutdown: report, join, terminate
 
 logger = logging.getLogger("tidyrun")

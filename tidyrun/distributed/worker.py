@@ -4,8 +4,9 @@ The driver (rank 0) sends commands over a pipe: ``("step", HostBatch,
 all_rows)`` runs the forward and its collectives (no reply: the driver
 receives the gathered logits through the group), ``("sleep", level)``,
 ``("wake_up", tags)``, ``("update_weights", [(name, shape)])`` (the tensors
-follow as broadcasts over the group), ``("reload_weights",)``, ``("rpc",
-function, args, kwargs)`` (collective_rpc) and ``("shutdown",)`` answer
+follow as broadcasts over the group), ``("reload_weights",)`` (each rank reads
+its slice of the checkpoint), ``("rpc", function, args, kwargs)``
+(collective_rpc) and ``("shutdown",)`` answer
 ``("ok", value)`` or ``("error", type name, message)``. A failed step or
 weight update leaves the ranks out of step, so the worker reports it and
 exits; the driver turns that into an error. A worker also exits when the

@@ -34,9 +34,18 @@ class Weights(Component):
 
     Owns device memory: the arena. Level 1 and 2 drop the device buffer and
     keep the (meta-shaped) model, so parameter objects keep their identity;
-    waking from level 2 refills from the model files, or from the caller's
-    tensors (``update_weights`` while asleep). From level 1 the host copy
-    (the next row) fills the buffer.
+    from level 1 the host copy (the next row) fills the buffer again. A
+    level-2 wake fills it from the tensors the transition brings (the
+    caller's for ``update_weights`` while asleep, the model source's for
+    ``reload_weights``) or, bringing none, only allocates it: RL loops push
+    new weights right after, and re-reading a checkpoint nobody wants cost
+    seconds (vLLM's level 2 does the same).
+
+    ``missing`` is what makes that safe: the HF names whose values the arena
+    does not hold (all of them after a level-2 sleep, none after a full
+    fill). Pushes remove what they load, one tensor at a time if need be; the
+    runner refuses to run the model while any is missing, instead of
+    computing with uninitialised memory.
     """
 
     owner, tag = "weights", WEIGHTS
@@ -47,16 +56,32 @@ class Weights(Component):
         self.device, self.dtype, self._ledger = device, dtype, ledger
         self.model: LlamaForCausalLM | None = None
         self.arena: WeightArena | None = None
+        self.names: frozenset[str] = frozenset()  # every HF name this rank's model needs
+        self.missing: frozenset[str] = frozenset()  # of those, the ones the arena holds no value for
         self.loaded = 0  # tensors loaded by the last fill
 
     def acquire(self) -> None:
         self.model = self._build_model()
+        self.names = self.missing = frozenset(self.model.weight_shards())
         self.arena = WeightArena(self.model, self.device, self.dtype, self._ledger)
         self.arena.materialize()
-        self._fill(None)
+        self._fill(self._source.iter_weights())
 
     def _fill(self, weights) -> None:
-        self.loaded = len(self.model.load_weights(self._source.iter_weights() if weights is None else weights))
+        """Load every weight (a missing one raises ModelLoadError); only then is none missing."""
+        self.loaded = len(self.model.load_weights(weights))
+        self.missing = frozenset()
+
+    def load(self, weights, require_all: bool = False) -> int:
+        """Copy (HF name, tensor) pairs into the awake arena in place; returns how many were loaded.
+
+        The names loaded stop being missing. When it fails part-way, the
+        tensors copied before the failure count as still missing (they are
+        not known here): push them again.
+        """
+        loaded = self.model.load_weights(weights, require_all=require_all)
+        self.missing -= loaded
+        return len(loaded)
 
     def release(self) -> None:
         self.model = None
@@ -64,14 +89,18 @@ class Weights(Component):
 
     def sleep(self, t: Transition) -> None:
         self.arena.release()
+        if t.level == 2:
+            self.missing = self.names
 
     def wake(self, t: Transition) -> None:
         self.arena.materialize()
-        if t.level == 2:
+        if t.level == 2 and t.weights is not None:
             self._fill(t.weights)
 
     def unwake(self, t: Transition) -> None:
         self.arena.release()
+        if t.level == 2:
+            self.missing = self.names
 
 
 class HostWeights(Component):
@@ -229,6 +258,13 @@ class CudaGraphsRow(Component):
     addresses of the weights, the KV cache and the step buffers, so they come
     last in the table: released first, captured again after every wake
     (without the warm-up runs: kernels compile once per process).
+
+    They need the weights' addresses, not their values: a capture records
+    kernels without running them, and every later load (a push, a reload)
+    copies into the same arena in place. So after a level-2 wake that only
+    allocated the weights the graphs are captured at once, and replay
+    whatever the weights hold by the time the runner lets the model run
+    (it refuses while any weight is missing).
     """
 
     owner, tag = "cuda_graphs", STEP

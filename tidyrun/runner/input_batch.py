@@ -17,6 +17,7 @@ workers):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,10 +58,26 @@ class HostBatch:
     tables: list[list[int]]
 
 
-def host_batch(batch: ScheduledBatch, block_size: int) -> tuple[HostBatch, list[Sequence]]:
-    """The step's inputs, and the sequences whose step ends at their last (or last draft) token."""
+class PromptRows(NamedTuple):
+    """Logits rows a prefill chunk adds for ``prompt_logprobs``: those of prompt tokens ``first`` ..
+    ``first + count - 1`` (each predicted by the row of the token before it)."""
+
+    seq: Sequence
+    first: int
+    count: int
+
+
+def host_batch(batch: ScheduledBatch, block_size: int) -> tuple[HostBatch, list[Sequence], list[PromptRows]]:
+    """The step's inputs, the sequences whose step ends at their last (or last draft) token, and the
+    prompt rows of sequences that asked for prompt logprobs.
+
+    ``logits_indices`` lists the sampling rows first (one per sampling sequence, plus its drafts), then
+    the prompt rows in ``PromptRows`` order.
+    """
     h = HostBatch([], [], [], [0], [], [], list(batch.num_new_tokens), [s.block_table for s in batch.seqs])
     sampling_seqs: list[Sequence] = []
+    prompt_rows: list[PromptRows] = []
+    prompt_indices: list[int] = []
     end = 0
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start = seq.num_computed_tokens
@@ -80,7 +97,12 @@ def host_batch(batch: ScheduledBatch, block_size: int) -> tuple[HostBatch, list[
         if start + n == len(seq.token_ids) + len(drafts):
             h.logits_indices.extend(range(end - 1 - len(drafts), end))
             sampling_seqs.append(seq)
-    return h, sampling_seqs
+        if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            count = min(start + n, seq.num_prompt_tokens - 1) - start
+            prompt_indices.extend(range(end - n, end - n + count))
+            prompt_rows.append(PromptRows(seq, start + 1, count))
+    h.logits_indices.extend(prompt_indices)
+    return h, sampling_seqs, prompt_rows
 
 
 def build_reference_batch(h: HostBatch, device: torch.device) -> InputBatch:

@@ -64,15 +64,46 @@ def activation_bytes(mc: ModelConfig, config: EngineConfig, dtype: torch.dtype) 
     return config.max_num_batched_tokens * per_token * elem + config.max_num_seqs * mc.vocab_size * 4 * 4
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def gpu_kv_budget(util: float, free: int, total: int, weights: int, activations: int) -> int:
+    """KV cache bytes under vLLM's ``gpu_memory_utilization``: this engine's share of the whole device.
+
+    The engine may use ``util * total`` bytes, its weights, activations,
+    graphs and workspaces included; what others hold (a colocated trainer,
+    another engine) is not charged to it, so TRL's 0.3 beside a trainer
+    means 30% of the card, not 30% minus the trainer. That share must be
+    free now, though: asking for more than is free fails here, saying how
+    much others hold, instead of running out of memory later.
+    """
+    allowed, others = int(util * total), total - free
+    if allowed > free:
+        raise OutOfResourcesError(
+            f"gpu_memory_utilization={util} asks for {_gib(allowed)} of the {_gib(total)} device, but only "
+            f"{_gib(free)} are free (others hold {_gib(others)}); lower it or free memory")
+    budget = allowed - weights - activations - GPU_HEADROOM
+    if budget <= 0:
+        raise OutOfResourcesError(
+            f"gpu_memory_utilization={util} gives this engine {_gib(allowed)} of the {_gib(total)} device, but its "
+            f"weights take {_gib(weights)}, activations {_gib(activations)} and workspaces {_gib(GPU_HEADROOM)}: "
+            "no device memory left for the KV cache; raise gpu_memory_utilization or lower max_num_batched_tokens")
+    return budget
+
+
 def plan_kv_cache(mc: ModelConfig, shard: TPShard, config: EngineConfig, dtype: torch.dtype,
                   gpu_memory: tuple[int, int] | None) -> KVPlan:
     """Blocks and context length from the configs and, on CUDA, ``gpu_memory`` = (free, total) read
     before anything of this engine was allocated (None on the CPU).
 
-    ``gpu_memory_utilization`` is the fraction of the device this engine may
-    fill, its weights included; what others already use counts against it.
-    With no ``max_model_len`` given and too little memory for the model's
-    full context, the context shrinks to what the cache holds.
+    The KV cache gets ``num_blocks`` blocks if given, else ``memory_bytes``
+    (vLLM's ``kv_cache_memory_bytes``: the fraction is then not used; on
+    CUDA the weights and that cache must fit in the free memory), else, on
+    CUDA, what ``gpu_memory_utilization`` leaves (``gpu_kv_budget``), else
+    (CPU) 1 GiB; never more than ``max_num_seqs`` full contexts. With no
+    ``max_model_len`` given and too little memory for the model's full
+    context, the context shrinks to what the cache holds.
     """
     max_model_len = resolve_max_model_len(mc, config)
     cache = config.cache
@@ -87,14 +118,17 @@ def plan_kv_cache(mc: ModelConfig, shard: TPShard, config: EngineConfig, dtype: 
         elif gpu_memory is None:
             budget = CPU_KV_BUDGET
         else:
-            free, total = gpu_memory
-            budget = (int(cache.gpu_memory_utilization * total) - (total - free) - weights
-                      - activation_bytes(mc, config, dtype) - GPU_HEADROOM)
-            if budget <= 0:
-                raise OutOfResourcesError(
-                    f"no device memory left for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB, "
-                    f"weights {weights / 2**30:.2f} GiB, with gpu_memory_utilization={cache.gpu_memory_utilization}")
+            budget = gpu_kv_budget(cache.gpu_memory_utilization, *gpu_memory, weights,
+                                   activation_bytes(mc, config, dtype))
         num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
+        if cache.memory_bytes is not None and gpu_memory is not None:
+            free, total = gpu_memory
+            if weights + num_blocks * per_block > free:
+                raise OutOfResourcesError(
+                    f"kv_cache_memory={cache.memory_bytes} gives a KV cache of {_gib(num_blocks * per_block)}; with "
+                    f"the weights' {_gib(weights)} that needs {_gib(weights + num_blocks * per_block)}, but only "
+                    f"{_gib(free)} of the {_gib(total)} device are free (others hold {_gib(total - free)}); "
+                    "lower it or free memory")
     if num_blocks * cache.block_size < max_model_len:
         if config.max_model_len is not None or num_blocks < 1:
             raise OutOfResourcesError(
@@ -109,5 +143,5 @@ def check_agreed_blocks(plan: KVPlan, agreed: int, block_size: int) -> None:
     if agreed * block_size < plan.max_model_len:
         raise OutOfResourcesError(
             f"the tensor-parallel ranks agreed on {agreed} KV blocks ({agreed * block_size} tokens), less than "
-            f"one sequence of max_model_len={plan.max_model_len}; another rank has less free memory: "
-            "lower max_model_len or gpu_memory_utilization")
+            f"one sequence of max_model_len={plan.max_model_len}; another rank planned fewer blocks (a smaller "
+            "device): lower max_model_len or raise gpu_memory_utilization")

@@ -23,6 +23,14 @@ Order rules the loops rely on:
   steps that cannot be undone (dropping the host copy of the weights).
 - shutdown releases in reverse table order; a row that fails to release does
   not stop the others (its error is returned).
+
+Sleep levels belong to rows, not to the engine. A sleep puts every row that
+is still awake to sleep at the level asked for and leaves the rows already
+asleep at theirs (so ``sleep(2)``, ``wake_up(["weights"])``, ``sleep(1)``
+keeps the weights on the host and the KV cache discarded); a wake gives each
+row the level it went to sleep at. Only a sleep with nothing left awake is
+refused (by the runner). The engine's level is the deepest of its sleeping
+rows: 2 as long as anything sleeps at level 2.
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ class Transition:
     """What a sleep or wake is about: its level, and for a level-2 refill the caller's weights."""
 
     level: int
-    weights: Iterable | None = None  # (HF name, tensor) pairs; None: read the model files
+    # (HF name, tensor) pairs to fill the weights from at a level-2 wake (the caller's, or the model
+    # source's for a reload); None: a level-2 wake allocates the weights' memory and loads nothing.
+    weights: Iterable | None = None
 
 
 class Component:
@@ -84,13 +94,26 @@ class Lifecycle:
     def __init__(self, components: list[Component]) -> None:
         self.table = components
         self.acquired: list[Component] = []
-        self.asleep: list[Component] = []
-        self.level: int | None = None  # the sleep level of what sleeps
+        self.asleep: dict[Component, int] = {}  # sleeping rows, in table order -> the level each sleeps at
         self.seconds: dict[str, float] = {}  # start-up time by owner
 
     @property
     def sleeping_tags(self) -> set[str]:
         return {c.tag for c in self.asleep if c.tag in SLEEP_TAGS}
+
+    @property
+    def level(self) -> int | None:
+        """The deepest level any row sleeps at; None when nothing sleeps."""
+        return max(self.asleep.values(), default=None)
+
+    def level_of(self, tag: str) -> int | None:
+        """The level the rows of ``tag`` sleep at; None when they are awake."""
+        return max((level for c, level in self.asleep.items() if c.tag == tag), default=None)
+
+    @property
+    def fully_asleep(self) -> bool:
+        """Whether every row that can sleep sleeps (a further sleep would release nothing)."""
+        return all(c in self.asleep for c in self.table if c.tag is not None)
 
     def start(self) -> None:
         for c in self.table:
@@ -105,10 +128,11 @@ class Lifecycle:
             self.seconds[c.owner] = time.perf_counter() - t0
 
     def sleep(self, level: int) -> None:
+        """Put the rows still awake to sleep at ``level``; the rows already asleep keep theirs."""
         t = Transition(level)
         done: list[Component] = []
         for c in reversed(self.table):
-            if c.tag is None:
+            if c.tag is None or c in self.asleep:
                 continue
             try:
                 c.sleep(t)
@@ -117,28 +141,25 @@ class Lifecycle:
                     d.wake(t)
                 raise
             done.append(c)
-        self.asleep, self.level = list(reversed(done)), level
+        self.asleep = {c: self.asleep.get(c, level) for c in self.table if c in self.asleep or c in done}
 
     def wake(self, tags: Iterable[str], weights: Iterable | None = None) -> list[Component]:
-        """Wake the sleeping rows of ``tags`` (and the ``STEP`` rows once nothing else sleeps); returns them."""
-        t = Transition(self.level, weights)
+        """Wake the sleeping rows of ``tags`` (and the ``STEP`` rows once nothing else sleeps), each at the
+        level it sleeps at; returns them."""
         wanted = set(tags)
         rest = [c for c in self.asleep if c.tag not in wanted and c.tag != STEP]
         targets = [c for c in self.asleep if c.tag in wanted or (c.tag == STEP and not rest)]
         done: list[Component] = []
         for c in targets:
             try:
-                c.wake(t)
+                c.wake(Transition(self.asleep[c], weights))
             except BaseException:
                 for d in reversed([*done, c]):
-                    d.unwake(t)
+                    d.unwake(Transition(self.asleep[d], weights))
                 raise
             done.append(c)
         for c in done:
-            c.woken(t)
-        self.asleep = [c for c in self.asleep if c not in done]
-        if not self.asleep:
-            self.level = None
+            c.woken(Transition(self.asleep.pop(c), weights))
         return done
 
     def shutdown(self) -> list[str]:
@@ -155,5 +176,5 @@ class Lifecycle:
             except Exception as exc:  # noqa: BLE001 - one row's failure must not keep the others' memory
                 drop_traceback_locals(exc)
                 errors.append(f"releasing {c.owner} failed: {type(exc).__name__}: {exc}")
-        self.asleep, self.level = [], None
+        self.asleep = {}
         return errors

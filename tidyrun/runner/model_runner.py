@@ -12,10 +12,10 @@ order:
     inputs         the step-input buffers (Triton path)
     cuda_graphs    the captured decode steps and their memory pool (Triton path, unless eager)
 
-Start, ``sleep``, ``wake_up``, the level-2 refill of ``update_weights``,
-failure rollback and ``shutdown`` are loops over that table; shutdown then
-proves, through the ledger's weak references, that nothing survived, and
-names whoever holds what did.
+Start, ``sleep``, ``wake_up``, the level-2 refill of ``update_weights`` and
+``reload_weights``, failure rollback and ``shutdown`` are loops over that
+table; shutdown then proves, through the ledger's weak references, that
+nothing survived, and names whoever holds what did.
 
 As one rank of a tensor-parallel engine (``tp``), the runner holds only its
 slice of the weights and KV heads and its group's communicators. The same
@@ -38,21 +38,22 @@ from ..attention import ForwardContext
 from ..audit import trace_survivors
 from ..config import EngineConfig, ModelConfig
 from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
-                      ResourceLeakError)
+                      ResourceLeakError, WeightsNotLoadedError)
 from ..loader import ModelSource
 from ..model.llama import LlamaForCausalLM
 from ..model.ops import TorchOps, TritonOps
 from ..model.sharding import TPShard
 from ..report import ShutdownReport
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
-from ..sampling import Sampler
+from ..logits_process import process_logits
+from ..sampling import Sampler, logprob_records
 from ..scheduler import ScheduledBatch
-from ..sequence import Sequence
+from ..sequence import PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
 from ..spec_decode import accept_greedy, verify_drafts
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
 from .cuda_graphs import CudaGraphManager, default_capture_sizes
 from .device import resolve_device, resolve_dtype, synchronize
-from .input_batch import HostBatch, InputBatch, StepInputs, build_reference_batch, host_batch
+from .input_batch import HostBatch, InputBatch, PromptRows, StepInputs, build_reference_batch, host_batch
 from .kv_plan import plan_kv_cache
 from .lifecycle import SLEEP_TAGS, WEIGHTS, Component, Lifecycle
 from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
@@ -219,25 +220,42 @@ class ModelRunner:
             raise EngineShutdownError("the model runner has been shut down")
 
     def check_awake(self) -> None:
+        """The choke point of everything that runs the model: asleep, or weights not (all) loaded, raise."""
         self._check_alive()
         if self.sleeping:
             raise EngineSleepingError(
                 f"the engine is asleep (level {self.sleep_level}; released: {', '.join(sorted(self.sleeping))}); "
                 "call wake_up() first")
+        missing = self.weights.missing
+        if missing:
+            raise WeightsNotLoadedError(
+                f"{len(missing)} of the {len(self.weights.names)} weight tensors are not loaded (e.g. "
+                f"{min(missing)!r}): the weights were discarded by sleep(level=2) and woken without loading; "
+                "push them with load_weights()/update_weights() or call collective_rpc('reload_weights')")
+
+    @property
+    def missing_weights(self) -> list[str]:
+        """HF names of the weights the model cannot run without: discarded by sleep(level=2), not pushed since."""
+        return sorted(self.weights.missing)
 
     # -- sleep / wake / weight updates ---------------------------------------------------
 
     def sleep(self, level: int = 1) -> dict[str, int]:
         """Release device memory: level 1 keeps the weights in pinned host memory, level 2 discards them.
 
-        Returns the device bytes released, by ledger owner. A sleep that
-        fails (no pinned memory for the host copy) leaves the engine awake.
+        Returns the device bytes released, by ledger owner. Partly asleep
+        (``wake_up(["weights"])`` after a sleep), it puts what is awake to
+        sleep at ``level`` and leaves the rest at its own level (see
+        lifecycle.py); with nothing awake it is refused. A sleep that fails
+        (no pinned memory for the host copy) leaves awake what was awake.
         """
         self._check_alive()
-        if level not in (1, 2):
+        if level not in (1, 2) or isinstance(level, bool):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
-        if self.lifecycle.asleep:
-            raise InvalidRequestError(f"the engine is already asleep (level {self.sleep_level})")
+        if self.lifecycle.fully_asleep:
+            raise InvalidRequestError(f"the engine is already asleep (level {self.sleep_level}): nothing is awake to "
+                                      "release; call wake_up() first")
+        weights_sleep = WEIGHTS not in self.sleeping
         synchronize(self.device)
         before = self.ledger.bytes_by_owner()
         start = time.perf_counter()
@@ -248,16 +266,19 @@ class ModelRunner:
             after = self.ledger.bytes_by_owner()
         free_device_caches(self.device)
         self.last_transfer = {"sleep_s": time.perf_counter() - start,
-                              "d2h_copy_s": self.host_weights.last_copy_s if level == 1 else 0.0,
+                              "d2h_copy_s": self.host_weights.last_copy_s if level == 1 and weights_sleep else 0.0,
                               "weight_bytes": self.kv_plan.weight_bytes}
         return {k: v - after.get(k, 0) for k, v in before.items() if v - after.get(k, 0) > 0}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore released components (all, or those in ``tags``: "weights", "kv_cache").
 
-        All or nothing: if a component fails to come back (out of memory, an
-        unreadable checkpoint at level 2), what this call restored is released
-        again and the engine is asleep exactly as before the call.
+        Weights asleep at level 1 come back from the host copy; at level 2
+        their memory is only allocated (no read): push them
+        (``update_weights``) or ``reload_weights()`` before generating.
+        All or nothing: if a component fails to come back (out of memory),
+        what this call restored is released again and the engine is asleep
+        exactly as before the call.
         """
         self._check_alive()
         tags = list(SLEEP_TAGS) if tags is None else list(tags)
@@ -268,7 +289,7 @@ class ModelRunner:
 
     def _wake(self, tags: list[str], weights) -> None:
         start = time.perf_counter()
-        level = self.sleep_level
+        from_host = self.lifecycle.level_of(WEIGHTS) == 1
         try:
             woken = self.lifecycle.wake(tags, weights)
         except BaseException as exc:
@@ -277,14 +298,14 @@ class ModelRunner:
             raise
         synchronize(self.device)
         self.last_transfer["wake_s"] = time.perf_counter() - start
-        if self.host_weights in woken and level == 1:
+        if self.host_weights in woken and from_host:
             self.last_transfer["h2d_copy_s"] = self.host_weights.last_copy_s
         graphs = self.graphs
         self.last_transfer["graph_capture_s"] = graphs.capture_seconds if graphs is not None else 0.0
 
     def _check_can_update_weights(self, weights) -> None:
         self._check_alive()
-        if WEIGHTS in self.sleeping and self.sleep_level == 1:
+        if self.lifecycle.level_of(WEIGHTS) == 1:
             raise EngineSleepingError("the engine sleeps at level 1; call wake_up(['weights']) before update_weights()")
         if not hasattr(weights, "items") and not hasattr(weights, "__iter__"):
             raise InvalidRequestError(
@@ -293,11 +314,13 @@ class ModelRunner:
     def update_weights(self, weights) -> int:
         """Copy HF-named tensors into the weights in place; returns how many were loaded.
 
-        While awake any subset may be given. Asleep at level 2 the weights'
-        rows wake with these tensors instead of the model files, and every
-        weight must be given (nothing else could fill the rest); a failure
-        leaves them asleep. A mapping is checked completely before anything is
-        copied.
+        While the weights are awake any subset may be given, in as many calls
+        as wanted (one tensor per call, as TRL pushes them); after a level-2
+        wake the model runs again once every weight has been pushed. While
+        they sleep at level 2 their rows wake with these tensors instead, and
+        every weight must be given (nothing else could fill the rest); a
+        failure leaves them asleep. A mapping is checked completely before
+        anything is copied.
         """
         self._check_can_update_weights(weights)
         refill = WEIGHTS in self.sleeping
@@ -309,9 +332,30 @@ class ModelRunner:
                 self._wake([WEIGHTS], items)
                 count = self.weights.loaded
             else:
-                count = len(self.model.load_weights(items, require_all=False))
+                count = self.weights.load(items)
         except ModelLoadError as exc:
             raise InvalidRequestError(f"update_weights: {exc}") from exc
+        synchronize(self.device)
+        return count
+
+    def reload_weights(self) -> int:
+        """Read every weight again from the model source (the checkpoint the engine started from).
+
+        Awake (after a level-2 wake that only allocated, or to undo pushed
+        weights) it loads in place; while the weights sleep at level 2 it
+        wakes them from the source, all or nothing, as ``update_weights``
+        does with the caller's tensors. At level 1 it is refused (the host
+        copy is what waking restores). Returns the number of tensors read.
+        """
+        self._check_alive()
+        level = self.lifecycle.level_of(WEIGHTS)
+        if level == 1:
+            raise EngineSleepingError("the engine sleeps at level 1; call wake_up(['weights']) before reload_weights()")
+        if level == 2:
+            self._wake([WEIGHTS], self.source.iter_weights())
+            count = self.weights.loaded
+        else:
+            count = self.weights.load(self.source.iter_weights(), require_all=True)
         synchronize(self.device)
         return count
 
@@ -359,18 +403,31 @@ class ModelRunner:
         return None if logits is None else StepLogits(logits, None)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
-        """Run one step; returns (sequence, new tokens) for sequences whose step reached their end.
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step: (sequence, new tokens, logprob records) for sequences whose step reached their end,
+        and the prompt logprob records of prefill chunks that asked for them.
 
         One token per sequence, or, for a speculating sequence, its accepted
         drafts plus one token from the target model.
         """
         self.check_awake()
-        host, seqs = host_batch(batch, self.block_size)
+        host, seqs, prompt_rows = host_batch(batch, self.block_size)
         step = self.forward_logits(host, self._graph_key(batch) if self.graphs is not None else None)
-        if not seqs:
-            return []
+        if step is None:
+            return StepOutput([], [])
         logits, greedy = step
+        num_sampling = len(host.logits_indices) - sum(r.count for r in prompt_rows)
+        prompt = self._prompt_logprobs(logits[num_sampling:], prompt_rows) if prompt_rows else []
+        logits = logits[:num_sampling]
+        if not seqs:
+            return StepOutput([], prompt)
+        if any(s.needs_processing() for s in seqs):
+            return StepOutput(self._sample_processed(logits, seqs), prompt)
+        return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
+
+    def _sample(self, logits: torch.Tensor, greedy: torch.Tensor | None,
+                seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        """The common case: no logprobs, no processing beyond a min_tokens ban of stop tokens."""
         drafts = any(s.draft_tokens for s in seqs)
         if all(s.params.greedy for s in seqs):  # one argmax and one copy to the host for the whole batch
             if not drafts:
@@ -391,13 +448,86 @@ class ModelRunner:
         out, row = [], 0
         for seq in seqs:  # drafts are never scheduled below min_tokens, so no stop-token ban is needed here
             rows = 1 + len(seq.draft_tokens)
-            seq_logits = logits[row:row + rows]
-            if seq.draft_tokens:
-                out.append((seq, verify_drafts(self.sampler, seq_logits, seq.draft_tokens, seq.params, seq.generator)))
-            else:
-                self._ban_stop_tokens_below_min(seq_logits, [seq])
-                out.append((seq, self.sampler(seq_logits, [seq.params], [seq.generator]).tolist()))
+            out.append((seq, self._verify(logits[row:row + rows], seq)))
             row += rows
+        return out
+
+    def _verify(self, logits: torch.Tensor, seq: Sequence) -> list[int]:
+        """Tokens of one sequence's step from its rows of logits (1 + drafts)."""
+        if not seq.draft_tokens:
+            self._ban_stop_tokens_below_min(logits, [seq])
+            return self.sampler(logits.float(), [seq.params], [seq.generator]).tolist()
+        if seq.params.greedy:
+            return accept_greedy(seq.draft_tokens, self.ops.argmax(logits).tolist())
+        return verify_drafts(self.sampler, logits.float(), seq.draft_tokens, seq.params, seq.generator)
+
+    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
+        """A step with sequences that ask for logprobs or logits processing (they never speculate; others
+        in the same step may): those are sampled together, one row each, in a few batched operations."""
+        starts = list(itertools.accumulate((1 + len(s.draft_tokens) for s in seqs), initial=0))
+        out: list[SampledTokens | None] = [None] * len(seqs)
+        plain = [i for i, s in enumerate(seqs) if not s.draft_tokens]
+        for i, seq in enumerate(seqs):
+            if seq.draft_tokens:
+                out[i] = SampledTokens(seq, self._verify(logits[starts[i]:starts[i + 1]], seq))
+        if plain:
+            rows = logits[torch.tensor([starts[i] for i in plain], device=logits.device)].float()
+            for i, (token, record) in zip(plain, self._sample_rows(rows, [seqs[i] for i in plain])):
+                out[i] = SampledTokens(seqs[i], [token], None if record is None else [record])
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        """One token per row of ``logits`` (float32, one row per sequence, modified in place) and, for the
+        sequences that asked, its logprob record in this engine's ``logprobs_mode``."""
+        mode = self.config.logprobs_mode
+        lp = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = logits[torch.tensor(lp, device=logits.device)] if lp and mode.startswith("raw") else None
+        process_logits(logits, seqs, self.eos_token_ids)
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        if not lp:
+            return [(t, None) for t in tokens.tolist()]
+        if raw is not None:
+            scores, lse = raw, (raw.logsumexp(-1) if mode == "raw_logprobs" else None)
+        else:
+            scores, lse = self._processed_scores(logits, [seqs[j] for j in lp], lp, mode), None
+        records = logprob_records(scores, tokens[torch.tensor(lp, device=tokens.device)],
+                                  [seqs[j].params.logprobs for j in lp], lse)
+        by_row = dict(zip(lp, records))
+        return [(t, by_row.get(j)) for j, t in enumerate(tokens.tolist())]
+
+    def _processed_scores(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                          mode: str) -> torch.Tensor:
+        """The distribution each row was sampled from, as log-probabilities ("processed_logprobs") or logits
+        ("processed_logits", -inf where filtered): after processing, temperature, top-k, top-p, min-p.
+        Greedy rows use the processed logits themselves (no temperature)."""
+        sub = logits[torch.tensor(rows, device=logits.device)]
+        scores = sub.log_softmax(-1) if mode == "processed_logprobs" else sub.clone()
+        sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            params = [seqs[j].params for j in sampled]
+            probs = self.sampler.probabilities(sub[index], params)
+            if mode == "processed_logprobs":
+                scores[index] = probs.log()
+            else:
+                temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=sub.dtype)
+                scores[index] = (sub[index] / temps[:, None]).masked_fill(probs == 0, float("-inf"))
+        return scores
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[PromptRows]) -> list[PromptLogprobRecords]:
+        """Records of prompt tokens from the rows predicting them (raw log-probabilities, or raw logits in a
+        "*_logits" mode: prompt tokens are never processed)."""
+        logits = logits.float()
+        targets, ks = [], []
+        for r in prompt_rows:
+            targets += r.seq.token_ids[r.first:r.first + r.count]
+            ks += [r.seq.params.prompt_logprobs] * r.count
+        lse = logits.logsumexp(-1) if self.config.logprobs_mode.endswith("logprobs") else None
+        records = logprob_records(logits, torch.tensor(targets, device=logits.device), ks, lse)
+        out, at = [], 0
+        for r in prompt_rows:
+            out.append(PromptLogprobRecords(r.seq, r.first, records[at:at + r.count]))
+            at += r.count
         return out
 
     @torch.inference_mode()

@@ -1,0 +1,168 @@
+"""What logprobs and structured outputs cost: decode step time with and without them, in one run.
+
+    python bench/logprobs.py [--shape llama-1.2b] [--batch-sizes 1 16 64 256] [--json bench/results/logprobs.json]
+
+(a) Decode: B requests decoding (random prompts of ``--decode-prompt-len``
+tokens), median ``llm.step()`` time over ``--decode-steps`` steps, for
+``SamplingParams(logprobs=None)`` vs ``logprobs=0`` (what TRL and verl send),
+greedy and at temperature 1 (RL rollouts); one engine, same requests.
+(b) Structured outputs on the default model (a real 49k-token vocabulary, so
+the grammar's per-token mask costs what it costs users): ``--json-requests``
+requests at temperature 1, each generating until its JSON object is complete,
+vs the same requests unconstrained with the same token counts; reported per
+output token.
+
+CPU smoke test:
+
+    python bench/logprobs.py --device cpu --dtype float32 --shape llama-tiny --batch-sizes 1 4 \
+        --decode-prompt-len 16 --decode-steps 5 --json-requests 4 --json /tmp/lp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from throughput import add_workload_args, make_llm, prepare_workload, sync
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "city": {"type": "string", "maxLength": 24}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def step_times(llm, params, batch: int, plen: int, steps: int, vocab: int, device: str) -> float:
+    """Median step time (s) with ``batch`` requests of ``params`` all decoding."""
+    rng = random.Random(2)
+    rids = [llm.add_request({"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(plen)]}, params)
+            for _ in range(batch)]
+    while not all(llm.request_output(r).outputs[0].token_ids for r in rids):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    times = []
+    sync(device)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        llm.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    assert llm.stats()["running"] == batch, "not every request decoded every step"
+    for r in rids:
+        llm.abort_request(r)
+    while llm.has_unfinished_requests():
+        llm.step()
+    return statistics.median(times)
+
+
+def decode_rows(ckpt: str, args: argparse.Namespace) -> list[dict]:
+    from tidyrun import SamplingParams
+
+    llm = make_llm(ckpt, args, "graphs", max_num_seqs=max(256, *args.batch_sizes))
+    rows = []
+    try:
+        vocab = llm.runner.model_config.vocab_size
+        plen = args.decode_prompt_len
+        max_tokens = min(10000, llm.max_model_len - plen - 1)
+        for temperature in (0.0, 1.0):
+            for b in args.batch_sizes:
+                ms = {}
+                for lp in (None, 0):
+                    params = SamplingParams(temperature=temperature, seed=0 if temperature else None,
+                                            max_tokens=max_tokens, ignore_eos=True, logprobs=lp)
+                    ms[lp] = step_times(llm, params, b, plen, args.decode_steps, vocab, args.device) * 1e3
+                rows.append(dict(temperature=temperature, batch=b, plain_ms=ms[None], logprobs0_ms=ms[0],
+                                 overhead=ms[0] / ms[None] - 1))
+    finally:
+        llm.shutdown()
+    return rows
+
+
+def structured_rows(args: argparse.Namespace) -> list[dict]:
+    from tidyrun import LLM, SamplingParams, StructuredOutputsParams
+
+    llm = LLM(None, device=args.device, dtype=args.dtype, max_model_len=1024)
+    rows = []
+    try:
+        prompts = [llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": f"Describe person number {i} as JSON with name, age and city."}],
+            tokenize=False, add_generation_prompt=True) for i in range(args.json_requests)]
+        spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+        warm = SamplingParams(temperature=1.0, seed=0, max_tokens=64, structured_outputs=spec)
+        llm.generate(prompts[:2], warm, use_tqdm=False)
+        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=256, structured_outputs=spec)
+                  for i in range(len(prompts))]
+        sync(args.device)
+        t0 = time.perf_counter()
+        constrained = llm.generate(prompts, params, use_tqdm=False)
+        sync(args.device)
+        t_json = time.perf_counter() - t0
+        counts = [len(o.outputs[0].token_ids) for o in constrained]
+        valid = sum(_valid(o.outputs[0].text) for o in constrained)
+        free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(counts)]
+        sync(args.device)
+        t0 = time.perf_counter()
+        llm.generate(prompts, free, use_tqdm=False)
+        sync(args.device)
+        t_free = time.perf_counter() - t0
+        tokens = sum(counts)
+        rows.append(dict(requests=len(prompts), output_tokens=tokens, valid=valid, json_s=t_json, free_s=t_free,
+                         json_us_per_token=t_json / tokens * 1e6, free_us_per_token=t_free / tokens * 1e6,
+                         overhead=t_json / t_free - 1))
+    finally:
+        llm.shutdown()
+    return rows
+
+
+def _valid(text: str) -> bool:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and set(obj) == {"name", "age", "city"} and isinstance(obj["age"], int)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--decode-prompt-len", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=50)
+    ap.add_argument("--json-requests", type=int, default=64)
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-structured", action="store_true")
+    ap.add_argument("--json", default="bench/results/logprobs.json")
+    args = ap.parse_args()
+    decode = structured = []
+    if not args.skip_decode:
+        ckpt, _, _ = prepare_workload(args)
+        decode = decode_rows(ckpt, args)
+        print(f"\n(a) decode step, {args.shape} ({args.dtype}), prompt {args.decode_prompt_len}")
+        print("| temperature | batch | logprobs=None ms | logprobs=0 ms | overhead |")
+        print("|---|---|---|---|---|")
+        for r in decode:
+            print(f"| {r['temperature']} | {r['batch']} | {r['plain_ms']:.3f} | {r['logprobs0_ms']:.3f} | "
+                  f"{r['overhead'] * 100:+.1f}% |")
+    if not args.skip_structured:
+        structured = structured_rows(args)
+        print("\n(b) JSON schema, default model, temperature 1")
+        print("| requests | output tokens | valid | JSON us/token | unconstrained us/token | overhead |")
+        print("|---|---|---|---|---|---|")
+        for r in structured:
+            print(f"| {r['requests']} | {r['output_tokens']} | {r['valid']} | {r['json_us_per_token']:.1f} | "
+                  f"{r['free_us_per_token']:.1f} | {r['overhead'] * 100:+.1f}% |")
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(device=device, torch=torch.__version__, args=vars(args), decode=decode,
+                       structured=structured), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
