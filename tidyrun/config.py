@@ -174,9 +174,27 @@ class EngineConfig:
     # penalties, bias, masks, temperature, top-k/p, min-p); the "*_logits" modes return logits instead.
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    # Where the model comes from: ``model`` may be a Hugging Face id ("org/name"), found in the local cache
+    # (``download_dir``, else HF_HUB_CACHE / HF_HOME) at ``revision``; nothing is downloaded. ``load_format``:
+    # "auto" (what the files are), "safetensors" or "gguf" (insist on that), "dummy" (random weights of the
+    # model's shapes, no weight file read: for callers that push their own weights next).
+    revision: str | None = None
+    download_dir: str | None = None
+    load_format: str = "auto"
+    # A Hugging Face tokenizer (folder or cached id, at ``tokenizer_revision``) instead of the model's own.
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
 
     def __post_init__(self) -> None:
         from .errors import InvalidRequestError
+
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidRequestError(f"load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
+        for name in ("revision", "download_dir", "tokenizer", "tokenizer_revision"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"{name} must be a str or None, got {getattr(self, name)!r}")
+        if self.tokenizer_revision is not None and self.tokenizer is None:
+            raise InvalidRequestError("tokenizer_revision needs a tokenizer (a Hugging Face id) to apply to")
 
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise InvalidRequestError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
@@ -210,6 +228,8 @@ class EngineConfig:
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
 
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 

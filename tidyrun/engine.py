@@ -7,7 +7,8 @@ engines, so several can live in one process.
 The facade routes: requests are checked by ``RequestIntake``, batches are
 formed and their results booked by the ``Scheduler``, steps run on the
 ``ModelRunner``; it keeps only the request table and the finished outputs
-not yet handed out.
+not yet handed out. vLLM's constructor keywords are translated (and the
+ones with no effect here checked) by engine_args.py.
 """
 
 from __future__ import annotations
@@ -19,18 +20,24 @@ import random
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
-from .config import CacheConfig, EngineConfig, SpeculativeConfig
+import torch
+
+from .config import EngineConfig, SpeculativeConfig
 from .distributed.driver import TPDriverRunner
+from .engine_args import CHECKED_APART, check_no_effect_options, engine_config
 from .errors import EngineShutdownError, InvalidRequestError
 from .intake import Prompt, PromptType, RequestIntake
 from .kv_cache import BlockPool
-from .loader import open_model_source
+from .llm_engine import WeightSyncPath
+from .loader import generation_defaults, open_engine_source, open_engine_tokenizer
 from .logprobs import prompt_logprobs, sample_logprobs
 from .outputs import CompletionOutput, RequestOutput
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
+from .runner.rpc import call_on_rank, check_rpc_method
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, StepOutput, streamable_length
@@ -110,9 +117,14 @@ def _drops_frames_on_error(method):
 
 
 def _check_no_options_besides(config: EngineConfig, model: str | None, options: dict) -> None:
-    """``LLM(config=...)`` takes every option from the config: refuse others rather than ignore them."""
+    """``LLM(config=...)`` takes every option from the config: refuse others rather than ignore them.
+
+    The keywords that have no effect in tidyrun (``engine_args.CHECKED_APART``)
+    are checked on their own, config or not.
+    """
     defaults = inspect.signature(LLM.__init__).parameters
-    conflicts = [f"{name}={value!r}" for name, value in options.items() if value != defaults[name].default]
+    conflicts = [f"{name}={value!r}" for name, value in options.items()
+                 if name not in CHECKED_APART and value != defaults[name].default]
     if model is not None and model != config.model:
         conflicts.insert(0, f"model={model!r} (the config says {config.model!r})")
     if conflicts:
@@ -121,18 +133,28 @@ def _check_no_options_besides(config: EngineConfig, model: str | None, options: 
             "set them in the config (dataclasses.replace(config, ...)) or leave config out")
 
 
-class LLM:
-    """Generate text from a Llama-family model in this process.
+def _check_no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise InvalidRequestError(f"lora_request={lora_request!r} is not supported: tidyrun has no LoRA adapters; "
+                                  "pass None (or merge the adapter into the weights and load_weights() them)")
 
-    ``model`` is a GGUF file, a folder with one GGUF file, or a Hugging Face
-    folder; None means the bundled SmolLM2-135M-Instruct. ``device``/``dtype``
-    default to the accelerator in bf16 if there is one, else the CPU in fp32.
+
+class LLM:
+    """Generate text from a Llama-family model in this process; vLLM's ``vllm.LLM``, keyword for keyword.
+
+    ``model`` is a GGUF file, a folder with one GGUF file, a Hugging Face
+    folder, or a Hugging Face id ("org/name") already in the local cache
+    (``download_dir``, else HF_HUB_CACHE / HF_HOME; at ``revision``; tidyrun
+    never downloads); None means the bundled SmolLM2-135M-Instruct.
+    ``device``/``dtype`` default to the accelerator in bf16 if there is one,
+    else the CPU in fp32 (``dtype="auto"`` or None; also a torch.dtype).
     ``keep_host_buffers`` keeps the pinned host copy of the weights between
     level-1 sleeps (allocated once, reused; costs host memory the size of the
     weights while awake). On CUDA, decode steps run as CUDA graphs captured
     at start-up for ``cuda_graph_sizes`` (default 1, 2, 4, 8, 16, 32, ... up
-    to min(256, max_num_seqs, max_num_batched_tokens)); ``enforce_eager=True``
-    turns them off.
+    to min(256, max_num_seqs, max_num_batched_tokens); vLLM's
+    ``compilation_config={"cudagraph_capture_sizes": [...]}`` says the same);
+    ``enforce_eager=True`` turns them off.
     ``kernels`` picks "triton" (the CUDA default) or the "torch" reference path.
     ``tensor_parallel_size=N`` splits the model over N ranks: this process
     is rank 0 and spawns N - 1 worker processes (one per further GPU on
@@ -140,36 +162,68 @@ class LLM:
     ``shutdown()`` stops them and reports each rank.
     ``config``: an ``EngineConfig`` instead of the keyword options (passing
     both is refused with InvalidRequestError naming the options).
+
+    vLLM's keywords, as vLLM means them: ``max_num_seqs`` /
+    ``max_num_batched_tokens`` / ``seed`` / ``enable_prefix_caching`` (None:
+    the default), ``kv_cache_memory_bytes`` (= ``kv_cache_memory``),
+    ``speculative_config`` (= ``speculative``), ``max_logprobs``,
+    ``logprobs_mode`` ("raw_logprobs", "processed_logprobs", "raw_logits",
+    "processed_logits"), ``load_format`` ("auto", "safetensors", "gguf", or
+    "dummy": random weights of the model's shapes, for callers that push
+    their own next), ``quantization`` (None, or "gguf" for a GGUF model:
+    tidyrun runs dequantized weights), ``tokenizer`` / ``tokenizer_revision``
+    (a Hugging Face tokenizer instead of the model's). Keywords that mean
+    nothing here are accepted where vLLM would behave as tidyrun does and
+    refused (InvalidRequestError naming the keyword) elsewhere:
+    ``trust_remote_code`` (either: tidyrun never runs code from the hub),
+    ``enable_sleep_mode`` (either: every engine can sleep),
+    ``disable_log_stats``, ``disable_custom_all_reduce``,
+    ``disable_mm_preprocessor_cache`` (either), ``swap_space`` (any: tidyrun
+    never swaps), ``model_impl`` ("auto"/"vllm"), ``cpu_offload_gb`` (0),
+    ``skip_tokenizer_init`` (False), ``tokenizer_mode`` ("auto"/"hf"),
+    ``enable_chunked_prefill`` (None/True: prefills are always chunked),
+    ``hf_overrides`` / ``limit_mm_per_prompt`` (None/{}), ``kv_cache_dtype``
+    ("auto"), ``distributed_executor_backend`` (None, "mp"; at one rank also
+    "uni" and "external_launcher", TRL's colocate mode, which is in-process).
+    An unknown keyword is a TypeError, as for any function.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, seed: int = 0, keep_host_buffers: bool = True,
-                 enable_prefix_caching: bool = True, speculative: dict | SpeculativeConfig | None = None,
-                 enforce_eager: bool = False, cuda_graph_sizes: list[int] | None = None, kernels: str | None = None,
-                 tensor_parallel_size: int = 1, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: str | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int | None = 256,
+                 max_num_batched_tokens: int | None = 8192, block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9, seed: int | None = 0,
+                 keep_host_buffers: bool = True, enable_prefix_caching: bool | None = True,
+                 speculative: dict | SpeculativeConfig | None = None, enforce_eager: bool = False,
+                 cuda_graph_sizes: list[int] | None = None, kernels: str | None = None,
+                 tensor_parallel_size: int = 1,
+                 # vLLM's names and options (engine_args.py says what each does here)
+                 kv_cache_memory_bytes: int | None = None, speculative_config: dict | None = None,
+                 compilation_config: dict | None = None, max_logprobs: int = 20,
+                 logprobs_mode: str = "raw_logprobs", quantization: str | None = None, load_format: str = "auto",
+                 revision: str | None = None, download_dir: str | None = None, tokenizer: str | None = None,
+                 tokenizer_revision: str | None = None, distributed_executor_backend: str | None = None,
+                 trust_remote_code: bool = False, enable_sleep_mode: bool = False, disable_log_stats: bool = True,
+                 disable_custom_all_reduce: bool = False, disable_mm_preprocessor_cache: bool = False,
+                 swap_space: float = 4, model_impl: str = "auto", cpu_offload_gb: float = 0,
+                 skip_tokenizer_init: bool = False, tokenizer_mode: str = "auto",
+                 enable_chunked_prefill: bool | None = None, hf_overrides: dict | None = None,
+                 kv_cache_dtype: str = "auto", limit_mm_per_prompt: dict | None = None,
+                 config: EngineConfig | None = None) -> None:
         # The keyword options, taken before any other local exists: every one, however many are added.
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "config")}
         self._closed = True  # until construction succeeds; makes shutdown() safe on a failed start
         self.runner: ModelRunner | None = None
+        # Every keyword is checked before any file is opened.
+        check_no_effect_options(options, config.tensor_parallel_size if config is not None else tensor_parallel_size)
         if config is None:
-            config = EngineConfig(
-                model=model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                enable_prefix_caching=enable_prefix_caching,
-                speculative=SpeculativeConfig.from_value(speculative), enforce_eager=enforce_eager,
-                cuda_graph_sizes=cuda_graph_sizes, kernels=kernels, tensor_parallel_size=tensor_parallel_size,
-                keep_host_buffers=keep_host_buffers,
-                cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_bytes=kv_cache_memory,
-                                  gpu_memory_utilization=gpu_memory_utilization),
-            )
+            config = engine_config(model, options)
         else:
             _check_no_options_besides(config, model, options)
         self.config = config
         self._report: EngineShutdownReport | None = None
-        self.source = open_model_source(config.model)
-        self.tokenizer = self.source.load_tokenizer()
+        self.source = open_engine_source(config)
+        self.tokenizer = open_engine_tokenizer(config, self.source)
+        sampling_defaults = MappingProxyType(generation_defaults(self.source.path))  # checked before the runner
         try:
             runner_class = ModelRunner if config.tensor_parallel_size == 1 else TPDriverRunner
             self.runner = runner_class(self.source, config, self.tokenizer.eos_token_ids)
@@ -181,7 +235,8 @@ class LLM:
         self.scheduler = Scheduler(BlockPool(self.runner.num_kv_blocks, config.enable_prefix_caching),
                                    self.runner.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    propose=self._proposer(config.speculative))
-        self._intake = RequestIntake(self.tokenizer, self.runner.model_config.vocab_size, self.runner.max_model_len)
+        self._intake = RequestIntake(self.tokenizer, self.runner.model_config.vocab_size, self.runner.max_model_len,
+                                     max_logprobs=config.max_logprobs, sampling_defaults=sampling_defaults)
         # Structured outputs: grammars compiled per constraint (cached), a matcher per sequence; the library's
         # view of the vocabulary is built on the first structured request only.
         self._grammars = GrammarCompiler(self.tokenizer, self.runner.model_config.vocab_size,
@@ -222,6 +277,19 @@ class LLM:
         self._check_alive()
         return self.runner.dtype
 
+    def get_tokenizer(self):
+        """The model's transformers tokenizer (``encode``, ``decode``, ``apply_chat_template``, ``eos_token_id``),
+        as vLLM's ``get_tokenizer()`` returns it. Token ids it makes are what ``generate`` takes."""
+        self._check_alive()
+        return self.tokenizer.hf_tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams of the defaults ``generate``/``chat`` use when given none: SamplingParams()
+        with what the model's generation_config.json sets (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens), as vLLM does with its default generation_config="auto"."""
+        self._check_alive()
+        return self._intake.default_params()
+
     @property
     def is_shut_down(self) -> bool:
         return self._closed
@@ -252,7 +320,7 @@ class LLM:
         every device buffer; level 2 discards the weights too: waking them
         only allocates their memory, and the trainer's weights are pushed
         with ``update_weights`` (or the checkpoint read again with
-        ``runner.reload_weights()``). While asleep, generation raises
+        ``collective_rpc("reload_weights")``). While asleep, generation raises
         EngineSleepingError rather than silently re-allocating memory a
         trainer may be using; call ``wake_up()`` first. Partly woken
         (``wake_up(["weights"])``), a further sleep releases what is awake at
@@ -294,6 +362,67 @@ class LLM:
             return self.runner.update_weights(weights)
         finally:
             self.scheduler.pool.reset_prefix_cache()  # cached keys/values came from the old weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """vLLM's ``model.load_weights``: load (HF name, tensor) pairs in place; returns how many were loaded.
+
+        The same as ``update_weights`` (names, shapes and dtypes checked;
+        refused while requests are in flight; the prefix cache reset). TRL
+        pushes one tensor at a time this way, through ``llm_engine``.
+        """
+        return self.update_weights(weights)
+
+    @_drops_frames_on_error
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's ``collective_rpc``: run ``method`` on every rank's runner; returns the results by rank ([0]: here).
+
+        ``method`` is "reload_weights" (re-read the weights from the model
+        source), "load_weights" (``kwargs={"weights": pairs}``, as
+        ``load_weights``), or a function called as ``method(runner, *args,
+        **kwargs)`` with each rank's ModelRunner (with tensor_parallel_size > 1
+        it is pickled to the worker processes: a module-level function).
+        After the named methods the prefix cache is reset; after a function
+        that changes weights, call ``reset_prefix_cache()`` (as with vLLM).
+        ``timeout`` must be None: the ranks answer within the collective
+        timeout or fail.
+        """
+        self._check_alive()
+        check_rpc_method(method)
+        if timeout is not None:
+            raise InvalidRequestError(f"collective_rpc(timeout={timeout!r}) is not supported: calls run to the end "
+                                      "(a tensor-parallel rank that stops answering fails them); pass None")
+        args, kwargs = tuple(args), dict(kwargs or {})
+        if callable(method):
+            return self._on_ranks(method, args, kwargs)
+        self._check_idle(f"run {method}")
+        try:
+            return self._on_ranks(method, args, kwargs)
+        finally:
+            self.scheduler.pool.reset_prefix_cache()  # cached keys/values came from the old weights
+
+    def _on_ranks(self, method, args: tuple, kwargs: dict) -> list:
+        if self.config.tensor_parallel_size > 1:
+            return self.runner.collective_rpc(method, args, kwargs)
+        return [call_on_rank(self.runner, method, args, kwargs)]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing forgotten) while requests are in flight, as in vLLM.
+
+        Weight updates through tidyrun reset it by themselves; call this
+        after changing weights behind its back (a ``collective_rpc`` function).
+        """
+        self._check_alive()
+        if self._requests:
+            return False
+        self.scheduler.pool.reset_prefix_cache()
+        return True
+
+    @property
+    def llm_engine(self) -> WeightSyncPath:
+        """Stands for vLLM's ``llm_engine...model`` path only to its ``load_weights`` (see llm_engine.py)."""
+        self._check_alive()
+        return WeightSyncPath(self)
 
     def ledger_report(self) -> str:
         """Table of the device memory this engine holds, by owner."""
@@ -416,8 +545,12 @@ class LLM:
     @_drops_frames_on_error
     def generate(self, prompts: PromptType | Iterable[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for one prompt or a list; outputs come back in prompt order."""
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """Generate completions for one prompt or a list; outputs come back in prompt order.
+
+        ``sampling_params`` None: ``get_default_sampling_params()``. ``lora_request`` must be None (no LoRA).
+        """
+        _check_no_lora(lora_request)
         self._check_alive()
         self.runner.check_awake()
         requests = self._intake.requests(prompts, sampling_params)  # all checked before any is queued
@@ -453,10 +586,27 @@ class LLM:
         return [results[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, using the model's chat template."""
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with vLLM's arguments in vLLM's order.
+
+        ``chat_template`` replaces the model's template (a jinja2 string);
+        ``add_generation_prompt`` / ``continue_final_message`` (open the last
+        message for the model to continue; needs add_generation_prompt=False),
+        ``tools`` and ``chat_template_kwargs`` (further template variables,
+        e.g. ``enable_thinking``) go to the template as transformers takes
+        them. Message contents are strings ("auto" or "string" content
+        format). ``lora_request`` must be None (no LoRA).
+        """
+        _check_no_lora(lora_request)
         self._check_alive()
-        return self.generate(self._intake.conversations(messages, add_generation_prompt), sampling_params, use_tqdm)
+        prompts = self._intake.conversations(
+            messages, add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=chat_template, tools=tools, template_kwargs=chat_template_kwargs,
+            content_format=chat_template_content_format)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (n must be 1)."""

@@ -9,9 +9,10 @@ queued.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from .errors import InvalidRequestError, PromptTooLongError
 from .sampling_params import SamplingParams
@@ -41,6 +42,12 @@ class RequestIntake:
     vocab_size: int
     max_model_len: int
     max_logprobs: int = 20
+    # SamplingParams fields of requests that bring none (the model's generation_config.json, as in vLLM).
+    sampling_defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def default_params(self) -> SamplingParams:
+        """A new SamplingParams of this engine's defaults (``sampling_defaults`` over SamplingParams')."""
+        return SamplingParams(**self.sampling_defaults)
 
     def tokenize(self, prompt: PromptType) -> Prompt:
         """Text and token ids of a prompt given as a str, a list of token ids or a dict (not yet checked)."""
@@ -88,7 +95,7 @@ class RequestIntake:
 
     def params(self, params: SamplingParams | None) -> SamplingParams:
         """A checked copy of ``params`` (None: the defaults) for one request, see ``SamplingParams.resolved``."""
-        params = SamplingParams() if params is None else params
+        params = self.default_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         return params.resolved(self.vocab_size, self.max_logprobs, self.max_model_len, self._encode_word)
@@ -124,14 +131,27 @@ class RequestIntake:
             params_list = [params] * len(prompts)
         return [self.request(p, sp) for p, sp in zip(prompts, params_list)]
 
-    def conversations(self, messages: list[dict] | list[list[dict]],
-                      add_generation_prompt: bool = True) -> list[dict]:
-        """Prompts (``{"prompt_token_ids": ...}``) of one conversation or a list of them, through the chat template."""
+    def conversations(self, messages: list[dict] | list[list[dict]], add_generation_prompt: bool = True, *,
+                      continue_final_message: bool = False, chat_template: str | None = None,
+                      tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                      content_format: str = "auto") -> list[dict]:
+        """Prompts (``{"prompt_token_ids": ...}``) of one conversation or a list of them, through the chat template
+        (the keyword arguments: see ``Tokenizer.apply_chat_template``). Contents are strings: vLLM's
+        ``chat_template_content_format`` "auto" or "string"."""
+        if content_format not in ("auto", "string"):
+            raise InvalidRequestError(f"chat_template_content_format={content_format!r} is not supported: message "
+                                      "contents are strings; pass 'auto' or 'string'")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts "
                                       "(or a list of such conversations)")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise InvalidRequestError(f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}")
+        if tools is not None and not isinstance(tools, list):
+            raise InvalidRequestError(f"tools must be a list of tool descriptions, got {type(tools).__name__}")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        return [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, add_generation_prompt)}
+        return [{"prompt_token_ids": self.tokenizer.apply_chat_template(
+                    c, add_generation_prompt, continue_final_message=continue_final_message,
+                    chat_template=chat_template, tools=tools, template_kwargs=template_kwargs)}
                 for c in conversations]
 
     def embed_inputs(self, texts: PromptType | list[PromptType]) -> list[list[int]]:

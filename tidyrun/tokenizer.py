@@ -46,16 +46,45 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the model's own chat template."""
-        if not self.has_chat_template:
-            raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (or ``chat_template``).
+
+        The other arguments are transformers' (and vLLM's ``chat()``'s):
+        ``continue_final_message`` leaves the last (assistant) message open
+        for the model to continue, ``tools`` are passed to the template, and
+        ``template_kwargs`` are further variables the template reads (e.g.
+        ``enable_thinking``). A template that fails to render is an
+        InvalidRequestError, not a jinja2 exception.
+        """
+        if chat_template is None and not self.has_chat_template:
+            raise InvalidRequestError("this model has no chat template; pass chat_template=... or use generate() "
+                                      "with a plain prompt")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise InvalidRequestError(f"chat_template must be a jinja2 template string, got "
+                                      f"{type(chat_template).__name__}")
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages
         ):
             raise InvalidRequestError("messages must be a list of {'role': str, 'content': str} dicts")
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message=True needs add_generation_prompt=False "
+                                      "(the reply continues the last message instead of starting a new one)")
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & {"conversation", "tokenize", "return_dict", "return_tensors"})
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}: tidyrun tokenizes the "
+                                      "rendered text itself")
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       chat_template=chat_template, tools=tools)
+        options.update(extra)  # as in vLLM, chat_template_kwargs override the named arguments
+        try:
+            text = self._tok.apply_chat_template(messages, tokenize=False, **options)
+        except Exception as exc:  # jinja2 TemplateError, or a template raising on its input
+            raise InvalidRequestError(f"the chat template failed to render this conversation: "
+                                      f"{type(exc).__name__}: {exc}") from exc
         return self.encode(text, add_special_tokens=False)
 
 

@@ -5,7 +5,8 @@ the same forward and collectives) and, in addition, drives ranks 1..N-1:
 each step's inputs go to the workers as a ``HostBatch`` (plain integer
 lists: token ids, positions, slots, block tables) before the driver runs its
 own part; the logits are gathered on the driver, which alone samples.
-Commands (sleep, wake_up, update_weights, reload_weights, shutdown) go to every rank.
+Commands (sleep, wake_up, update_weights, reload_weights, collective_rpc,
+shutdown) go to every rank.
 
 Any failure that leaves the ranks out of step (a worker died, a collective
 failed) stops the whole group at once: the workers are joined (killed if need
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import pickle
 
 import torch
 
@@ -31,6 +33,7 @@ from ..resources import drop_traceback_locals
 from ..runner.device import resolve_device, synchronize
 from ..runner.input_batch import HostBatch
 from ..runner.model_runner import ModelRunner, StepLogits, _name_tensor_pairs
+from ..runner.rpc import call_on_rank
 from .group import TPGroup
 from .pool import WorkerPool
 from .rank import TPRank
@@ -221,6 +224,28 @@ class TPDriverRunner(ModelRunner):
                 raise self._stop_group(WorkerError(
                     f"tensor-parallel worker rank {rank} failed to update weights: {reply[1]}: {reply[2]}"))
         return count
+
+    def collective_rpc(self, method, args: tuple, kwargs: dict) -> list:
+        """``method`` (checked by ``runner.rpc.check_rpc_method``) on every rank; the results by rank.
+
+        The named methods take the paths that keep the ranks in step
+        (``update_weights`` broadcasts each tensor, ``reload_weights`` runs on
+        all ranks at once); a function is sent to the workers by pickle (so it
+        must be a module-level function) and called with each rank's runner.
+        """
+        if method == "load_weights":
+            return [self.update_weights(*args, **kwargs)] * self.shard.world
+        if method == "reload_weights":
+            return [self.reload_weights(*args, **kwargs)] * self.shard.world
+        try:
+            pickle.dumps(method)
+        except Exception as exc:
+            raise InvalidRequestError(
+                f"collective_rpc: with tensor_parallel_size > 1 the function goes to the worker processes and must "
+                f"be picklable (a module-level function), but {method!r} is not: {exc}") from exc
+        value, others = self._on_all_ranks("rpc", (method, args, kwargs),
+                                           functools.partial(call_on_rank, self, method, args, kwargs))
+        return [value, *others]
 
     def _broadcast_each(self, items: list[tuple[str, torch.Tensor]]):
         for name, tensor in items:

@@ -5,7 +5,8 @@ all_rows)`` runs the forward and its collectives (no reply: the driver
 receives the gathered logits through the group), ``("sleep", level)``,
 ``("wake_up", tags)``, ``("update_weights", [(name, shape)])`` (the tensors
 follow as broadcasts over the group), ``("reload_weights",)`` (each rank reads
-its slice of the checkpoint) and ``("shutdown",)`` answer
+its slice of the checkpoint), ``("rpc", function, args, kwargs)``
+(collective_rpc) and ``("shutdown",)`` answer
 ``("ok", value)`` or ``("error", type name, message)``. A failed step or
 weight update leaves the ranks out of step, so the worker reports it and
 exits; the driver turns that into an error. A worker also exits when the
@@ -15,6 +16,7 @@ driver is gone: its pipe closes, or its parent process changes.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -24,6 +26,7 @@ import torch
 from ..config import EngineConfig
 from ..errors import WorkerError
 from ..model.sharding import TPShard
+from ..runner.rpc import call_on_rank
 from .group import TPGroup
 from .rank import TPRank
 
@@ -77,7 +80,7 @@ def _agree(conn: Connection, parent_pid: int, local: int) -> int:
 
 def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process: build this rank's runner, then serve commands until shutdown."""
-    from ..loader import open_model_source
+    from ..loader import open_engine_source
     from ..runner.model_runner import ModelRunner
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the driver decides
@@ -87,7 +90,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
             torch.cuda.set_device(device)  # this process's own default device: it serves one rank only
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))  # share the cores with the other ranks
-        source = open_model_source(spec.config.model)
+        source = open_engine_source(spec.config)
         group = TPGroup(spec.rank, spec.world, device, spec.timeout_s, spec.address)
         tp = TPRank(TPShard.of(source.config, spec.rank, spec.world), group,
                     lambda n: _agree(conn, spec.parent_pid, n))
@@ -138,6 +141,14 @@ def _run(runner, op: str, args: tuple):
         return runner.update_weights(_received_weights(runner, args[0]))
     if op == "reload_weights":
         return runner.reload_weights()
+    if op == "rpc":  # collective_rpc with a function: (function, args, kwargs)
+        value = call_on_rank(runner, *args)
+        try:
+            pickle.dumps(value)
+        except Exception as exc:  # would fail the reply itself, and end this worker
+            raise WorkerError(f"collective_rpc: the function's result on rank {runner.shard.rank} cannot be sent "
+                              f"back (not picklable): {exc}") from None
+        return value
     raise WorkerError(f"unknown tensor-parallel command {op!r}")
 
 

@@ -10,7 +10,8 @@ from types import MappingProxyType
 import torch
 
 from ..config import ModelConfig, RopeScaling
-from ..errors import ModelLoadError, UnsupportedModelError
+from ..errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 
 _MODEL_TYPES = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"})
@@ -120,13 +121,56 @@ def safetensors_files(path: str) -> list[str]:
     raise ModelLoadError(f"{path!r} is neither a .safetensors file nor a folder holding some")
 
 
-class HFFolderSource:
-    """A transformers-style folder. Holds the config and the shard list; weights are read per call."""
+def load_hf_tokenizer(path: str, eos_token_ids=()) -> Tokenizer:
+    """The transformers tokenizer saved in folder ``path``, wrapped (``eos_token_ids``: the model's as well)."""
+    from transformers import AutoTokenizer
 
-    def __init__(self, path: str) -> None:
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {path!r}: {exc}") from exc
+    return Tokenizer(hf_tok, eos_token_ids=eos_token_ids)
+
+
+# generation_config.json keys that set sampling defaults, and the SamplingParams field each sets (as vLLM maps them).
+_GENERATION_KEYS = MappingProxyType({"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                                     "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                                     "max_new_tokens": "max_tokens"})
+
+
+def generation_defaults(path: str) -> dict:
+    """SamplingParams fields the model's ``generation_config.json`` sets ({} without one, or for a file).
+
+    vLLM (``generation_config="auto"``, its default) uses these as the
+    defaults of requests that bring no SamplingParams: the values the file
+    states for temperature, top_p, top_k, min_p, repetition_penalty and
+    max_new_tokens (as max_tokens). Keys set to null are left out. Values
+    SamplingParams would refuse are a ModelLoadError now, not a failure of
+    every later request.
+    """
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    raw = _read_json(file)
+    defaults = {field: raw[key] for key, field in _GENERATION_KEYS.items() if raw.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except InvalidRequestError as exc:
+        raise ModelLoadError(f"{file!r} sets an invalid sampling default: {exc}") from exc
+    return defaults
+
+
+class HFFolderSource:
+    """A transformers-style folder. Holds the config and the shard list; weights are read per call.
+
+    ``read_weights=False`` (load_format="dummy") opens only the config and
+    tokenizer, so a folder without weight files will do.
+    """
+
+    def __init__(self, path: str, read_weights: bool = True) -> None:
         self.path = path
         self.config = config_from_hf(_read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
-        self._files = self._weight_files()
+        self._files = self._weight_files() if read_weights else []
 
     def _weight_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
@@ -149,10 +193,4 @@ class HFFolderSource:
         return iter_safetensors(self._files)
 
     def load_tokenizer(self) -> Tokenizer:
-        from transformers import AutoTokenizer
-
-        try:
-            hf_tok = AutoTokenizer.from_pretrained(self.path)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot load the tokenizer of {self.path!r}: {exc}") from exc
-        return Tokenizer(hf_tok, eos_token_ids=self.config.eos_token_ids)
+        return load_hf_tokenizer(self.path, self.config.eos_token_ids)

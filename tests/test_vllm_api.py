@@ -1,0 +1,407 @@
+"""vLLM's offline API as TRL (GRPO colocate) and verl call it: constructor keywords, model ids from the local
+Hugging Face cache, and the methods they use (get_tokenizer, reset_prefix_cache, get_default_sampling_params,
+chat, collective_rpc, load_weights, llm_engine). Tiny random checkpoints on the CPU; few engine builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import write_tiny_checkpoint
+from tidyrun import LLM, InvalidRequestError, ModelLoadError, SamplingParams
+from tidyrun.config import EngineConfig
+from tidyrun.loader import open_model_source
+from tidyrun.loader.dummy import checkpoint_shapes
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[5, 17, 300, 42], [9, 8, 7]]
+SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
+GENERATION_CONFIG = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 5,
+                     "do_sample": True, "bos_token_id": 1, "eos_token_id": 2}
+TEMPLATE = ("{% if tools %}<<tools: {{ tools | map(attribute='name') | join(',') }}>>{% endif %}"
+            "{% for m in messages %}<<{{ m['role'] }}: {{ m['content'] }}>>{% endfor %}"
+            "{% if add_generation_prompt %}<<assistant: {{ greeting | default('') }}{% endif %}")
+# Every keyword TRL's colocate mode and verl's rollout pass, at a value that means what tidyrun does anyway.
+NEUTRAL = dict(trust_remote_code=True, enable_sleep_mode=True, quantization=None, model_impl="vllm",
+               distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs", max_logprobs=5,
+               kv_cache_memory_bytes=8 << 20, revision=None, seed=None, enable_chunked_prefill=True,
+               disable_log_stats=False, load_format="safetensors", skip_tokenizer_init=False, tokenizer_mode="auto",
+               tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=128, max_num_seqs=4,
+               max_num_batched_tokens=64, enable_prefix_caching=None, enforce_eager=True, dtype="auto", swap_space=0,
+               cpu_offload_gb=0, hf_overrides={}, tokenizer_revision=None, disable_custom_all_reduce=True,
+               compilation_config={"cudagraph_capture_sizes": [1, 2]}, kv_cache_dtype="auto",
+               limit_mm_per_prompt=None, disable_mm_preprocessor_cache=True, speculative_config=None,
+               tokenizer="org/tiny")
+
+
+def fake_hub_cache(root, repo_id: str, checkpoint: str) -> str:
+    """A Hugging Face cache under ``root`` (as HF_HOME) holding ``checkpoint`` as ``repo_id``'s main revision."""
+    repo = os.path.join(root, "hub", "models--" + repo_id.replace("/", "--"))
+    snapshot = os.path.join(repo, "snapshots", SNAPSHOT)
+    shutil.copytree(checkpoint, snapshot)
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(SNAPSHOT)
+    return snapshot
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory, tiny_llama_dir) -> str:
+    """HF_HOME holding the tiny checkpoint as "org/tiny", with sampling defaults in its generation_config.json."""
+    root = str(tmp_path_factory.mktemp("hf_home"))
+    snapshot = fake_hub_cache(root, "org/tiny", tiny_llama_dir)
+    with open(os.path.join(snapshot, "generation_config.json"), "w") as f:
+        json.dump(GENERATION_CONFIG, f)
+    return root
+
+
+@pytest.fixture(scope="module")
+def neutral(hf_home):
+    """One engine from the id "org/tiny" with every vLLM keyword at a neutral value (the path TRL takes)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HOME", hf_home)
+    mp.delenv("HF_HUB_CACHE", raising=False)
+    llm = LLM("org/tiny", device="cpu", **NEUTRAL)
+    yield llm
+    llm.shutdown()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def reference(neutral) -> list[list[int]]:
+    return greedy(neutral)
+
+
+@pytest.fixture(scope="module")
+def dummy(tmp_path_factory, tiny_llama_dir, hf_tokenizer_dir):
+    """load_format="dummy" (verl's) from a folder with no weight file at all, and a tokenizer named apart."""
+    folder = str(tmp_path_factory.mktemp("no_weights"))
+    for name in os.listdir(tiny_llama_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_llama_dir, name), folder)
+    llm = LLM(folder, device="cpu", load_format="dummy", max_model_len=128, kv_cache_memory=8 << 20,
+              tokenizer=hf_tokenizer_dir)
+    yield llm
+    llm.shutdown()
+
+
+# -- constructor keywords ----------------------------------------------------------------
+
+
+def test_every_keyword_at_its_neutral_value_builds_and_takes_effect(neutral, hf_home):
+    cfg = neutral.config
+    assert neutral.source.path == os.path.join(hf_home, "hub", "models--org--tiny", "snapshots", SNAPSHOT)
+    assert (cfg.dtype, cfg.seed, cfg.enable_prefix_caching, cfg.cuda_graph_sizes) == (None, 0, True, (1, 2))
+    assert (cfg.cache.memory_bytes, cfg.logprobs_mode, cfg.max_logprobs, cfg.load_format) == (
+        8 << 20, "processed_logprobs", 5, "safetensors")
+    assert neutral.dtype == torch.float32 and neutral.max_model_len == 128
+    with pytest.raises(InvalidRequestError, match=r"max_logprobs \(5\)"):
+        neutral.generate(PROMPTS, SamplingParams(max_tokens=1, logprobs=6), use_tqdm=False)
+
+
+REFUSED = [
+    ("quantization", "awq", "runs unquantized weights"),
+    ("model_impl", "transformers", "'auto' or 'vllm'"),
+    ("distributed_executor_backend", "ray", r"\[None, 'mp', 'uni', 'external_launcher'\]"),
+    ("load_format", "pt", "not PyTorch .bin/.pt"),
+    ("load_format", "bitsandbytes", "load_format must be one of"),
+    ("skip_tokenizer_init", True, "needs the tokenizer"),
+    ("enable_chunked_prefill", False, "always splits prefills"),
+    ("cpu_offload_gb", 4, "keeps the weights on the device"),
+    ("tokenizer_mode", "mistral", "'auto' or 'hf'"),
+    ("hf_overrides", {"num_hidden_layers": 1}, "config.json as it is"),
+    ("kv_cache_dtype", "fp8", "model's dtype"),
+    ("limit_mm_per_prompt", {"image": 1}, "text-only"),
+    ("swap_space", -1, "never swaps"),
+    ("trust_remote_code", "yes", "True or False"),
+    ("compilation_config", {"level": 3}, "does not use torch.compile"),
+    ("logprobs_mode", "logits", "logprobs_mode must be one of"),
+    ("max_logprobs", -2, "max_logprobs must be"),
+]
+
+
+@pytest.mark.parametrize("name, value, match", REFUSED, ids=[f"{n}={v!r}" for n, v, _ in REFUSED])
+def test_a_value_tidyrun_cannot_honour_is_refused_before_the_model_is_opened(name, value, match, tmp_path):
+    missing = str(tmp_path / "no_such_model")  # opening it would raise ModelLoadError instead
+    with pytest.raises(InvalidRequestError, match=match) as info:
+        LLM(missing, **{name: value})
+    assert name in str(info.value)
+
+
+def test_external_launcher_is_one_rank_only_and_aliases_must_agree(tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(InvalidRequestError, match="external_launcher.*tensor_parallel_size=2 is not supported yet"):
+        LLM(missing, distributed_executor_backend="external_launcher", tensor_parallel_size=2)
+    with pytest.raises(InvalidRequestError, match=r"distributed_executor_backend='uni'.*\[None, 'mp'\]"):
+        LLM(missing, distributed_executor_backend="uni", tensor_parallel_size=2)
+    with pytest.raises(InvalidRequestError, match="kv_cache_memory=1 and kv_cache_memory_bytes=2 are one option"):
+        LLM(missing, kv_cache_memory=1, kv_cache_memory_bytes=2)
+    with pytest.raises(InvalidRequestError, match="cuda_graph_sizes=.* are one option"):
+        LLM(missing, cuda_graph_sizes=[1], compilation_config={"cudagraph_capture_sizes": [2]})
+    with pytest.raises(InvalidRequestError, match="quantization='gguf' needs a GGUF model"):
+        LLM(missing, quantization="gguf", load_format="safetensors")
+
+
+def test_gguf_quantization_needs_a_gguf_model(tiny_llama_dir):
+    with pytest.raises(InvalidRequestError, match=r"'gguf' asks for a GGUF model, but .* is not a \.gguf file"):
+        LLM(tiny_llama_dir, quantization="gguf")
+    with pytest.raises(InvalidRequestError, match="load_format='safetensors' asks for a Hugging Face folder"):
+        LLM(load_format="safetensors")  # the default model is a GGUF file
+
+
+def test_an_unknown_keyword_is_a_type_error(tmp_path):
+    with pytest.raises(TypeError, match="enable_lora"):
+        LLM(str(tmp_path), enable_lora=True)
+
+
+def test_a_config_still_refuses_other_options_and_checks_no_effect_ones(tiny_llama_dir):
+    cfg = EngineConfig(model=tiny_llama_dir, device="cpu")
+    with pytest.raises(InvalidRequestError, match=r"also got load_format='dummy', revision='v2';"):
+        LLM(config=cfg, load_format="dummy", revision="v2")
+    with pytest.raises(InvalidRequestError, match="model_impl='transformers'"):
+        LLM(config=cfg, model_impl="transformers")
+    with pytest.raises(InvalidRequestError, match="external_launcher"):
+        LLM(config=EngineConfig(model=tiny_llama_dir, tensor_parallel_size=2),
+            distributed_executor_backend="external_launcher")
+
+
+# -- model ids from the local Hugging Face cache -------------------------------------------
+
+
+def test_model_ids_resolve_from_the_cache_offline(hf_home, tmp_path, monkeypatch, tiny_llama_dir):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", hf_home)
+    snapshot = os.path.join(hf_home, "hub", "models--org--tiny", "snapshots", SNAPSHOT)
+    assert open_model_source("org/tiny").path == snapshot
+    assert open_model_source("org/tiny", revision=SNAPSHOT).path == snapshot
+    monkeypatch.setenv("HF_HUB_CACHE", os.path.join(hf_home, "hub"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "elsewhere"))  # HF_HUB_CACHE wins
+    assert open_model_source("org/tiny").path == snapshot
+    monkeypatch.delenv("HF_HUB_CACHE")
+    assert open_model_source("org/tiny", download_dir=os.path.join(hf_home, "hub")).path == snapshot
+    cache = str(tmp_path / "elsewhere" / "hub")
+    with pytest.raises(ModelLoadError, match=rf"'org/tiny' is not a local path, and not in the local Hugging Face "
+                                             rf"cache at '{cache}'; tidyrun does not download"):
+        open_model_source("org/tiny")
+    monkeypatch.setenv("HF_HOME", hf_home)
+    with pytest.raises(ModelLoadError, match="at revision 'v9'; tidyrun does not download"):
+        open_model_source("org/tiny", revision="v9")
+    with pytest.raises(ModelLoadError, match="'org/other' is not a local path"):
+        LLM("org/other")
+    with pytest.raises(InvalidRequestError, match="revision='main' applies to Hugging Face ids, but model .* is a "
+                                                  "local path"):
+        LLM(tiny_llama_dir, revision="main")
+
+
+# -- methods ------------------------------------------------------------------------------
+
+
+def test_get_tokenizer_is_the_transformers_tokenizer(neutral):
+    tok = neutral.get_tokenizer()
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    assert tok.decode(ids) == "Hello world" and tok.eos_token_id == 2
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False).startswith("<|im_start|>")
+    out = neutral.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+
+
+def test_default_sampling_params_come_from_generation_config(neutral, dummy):
+    params = neutral.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty, params.max_tokens) == (
+        0.6, 0.9, 20, 1.1, 5)
+    params.temperature = 0.0  # a new object every call: changing it changes nothing else
+    assert neutral.get_default_sampling_params().temperature == 0.6
+    [out] = neutral.generate(PROMPTS[0], use_tqdm=False)  # no SamplingParams: the model's defaults
+    assert len(out.outputs[0].token_ids) == 5
+    assert dummy.get_default_sampling_params() == SamplingParams()  # its generation_config.json sets no sampling
+
+
+def test_an_invalid_generation_config_is_a_load_error(tmp_path):
+    from tidyrun.loader import generation_defaults
+
+    assert generation_defaults(str(tmp_path)) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1.0, "top_k": None}))
+    with pytest.raises(ModelLoadError, match="generation_config.json' sets an invalid sampling default.*temperature"):
+        generation_defaults(str(tmp_path))
+
+
+def test_chat_passes_vllm_arguments_to_the_template(neutral):
+    tok = neutral.get_tokenizer()
+    messages = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "It is Par"}]
+    cases = [
+        (dict(chat_template=TEMPLATE, add_generation_prompt=True, chat_template_kwargs={"greeting": "Well,"}),
+         "<<user: Capital of France?>><<assistant: It is Par>><<assistant: Well,"),
+        (dict(chat_template=TEMPLATE, add_generation_prompt=False, continue_final_message=True),
+         "<<user: Capital of France?>><<assistant: It is Par"),
+        (dict(chat_template=TEMPLATE, add_generation_prompt=False, tools=[{"name": "search"}, {"name": "calc"}]),
+         "<<tools: search,calc>><<user: Capital of France?>><<assistant: It is Par>>"),
+    ]
+    for kwargs, text in cases:
+        [out] = neutral.chat(messages, GREEDY, use_tqdm=False, **kwargs)
+        assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    [out] = neutral.chat(messages[:1], GREEDY, False)  # the model's own (ChatML) template
+    chatml = tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+    assert chatml.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids == tok.encode(chatml, add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match="continue_final_message=True needs add_generation_prompt=False"):
+        neutral.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="chat template failed to render.*boom"):
+        neutral.chat(messages, GREEDY, use_tqdm=False, chat_template="{{ raise_exception('boom') }}")
+    with pytest.raises(InvalidRequestError, match=r"may not set \['tokenize'\]"):
+        neutral.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs={"tokenize": True})
+    with pytest.raises(InvalidRequestError, match="chat_template_content_format='openai'"):
+        neutral.chat(messages, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+
+
+def test_lora_requests_are_refused(neutral):
+    for call in (lambda: neutral.generate(PROMPTS, GREEDY, False, lora_request=("adapter", 1, "/path")),
+                 lambda: neutral.chat([{"role": "user", "content": "Hi"}], GREEDY, False, lora_request="adapter")):
+        with pytest.raises(InvalidRequestError, match="lora_request=.* is not supported: tidyrun has no LoRA"):
+            call()
+    assert not neutral.has_unfinished_requests()
+
+
+def test_reset_prefix_cache(neutral):
+    prompt = list(range(100, 150))  # 3 full blocks of 16
+    cached = lambda: neutral.stats()["prefix_cached_tokens"]  # noqa: E731
+    neutral.generate(prompt, GREEDY, use_tqdm=False)
+    before = cached()
+    neutral.generate(prompt, GREEDY, use_tqdm=False)
+    assert cached() == before + 48
+    assert neutral.reset_prefix_cache() is True
+    neutral.generate(prompt, GREEDY, use_tqdm=False)
+    assert cached() == before + 48  # nothing was left to reuse
+    request_id = neutral.add_request(prompt, GREEDY)
+    assert neutral.reset_prefix_cache() is False  # as vLLM: not while requests hold blocks
+    neutral.abort_request(request_id)
+    neutral.step()
+
+
+def test_weight_pushes_through_llm_engine_and_load_weights(neutral, reference):
+    weights = dict(neutral.source.iter_weights())
+    noise = {n: t + torch.randn_like(t) for n, t in weights.items() if n.endswith("mlp.down_proj.weight")}
+    # TRL: one tensor at a time through vLLM's path to the model.
+    for name, tensor in noise.items():
+        neutral.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)])
+    perturbed = greedy(neutral)
+    assert perturbed != reference
+    # verl: a generator through ...driver_worker.worker.model_runner.model; vLLM returns the names loaded.
+    model = neutral.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    assert model.load_weights((n, t) for n, t in weights.items() if n in noise) == set(noise)
+    assert greedy(neutral) == reference
+    assert neutral.load_weights(noise.items()) == len(noise)
+    assert greedy(neutral) == perturbed
+    neutral.load_weights(weights.items())
+    request_id = neutral.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(InvalidRequestError, match="in flight"):
+        neutral.load_weights(weights.items())
+    neutral.abort_request(request_id)
+    neutral.step()
+    with pytest.raises(AttributeError):
+        neutral.llm_engine.model = None  # read-only: there is nothing to replace
+
+
+def runner_facts(runner, extra):
+    """A collective_rpc function: what it received."""
+    return type(runner).__name__, runner.shard.rank, extra
+
+
+def test_collective_rpc(dummy, neutral, reference):
+    real = list(neutral.source.iter_weights())
+    assert greedy(dummy) != reference  # random weights
+    assert dummy.collective_rpc("load_weights", kwargs={"weights": iter(real)}) == [len(real)]
+    assert greedy(dummy) == reference  # the same as an engine that read the checkpoint
+    assert dummy.collective_rpc(runner_facts, args=("x",)) == [("ModelRunner", 0, "x")]
+    with pytest.raises(InvalidRequestError, match="unsupported method 'execute_model'.*'reload_weights'.*"
+                                                  "'load_weights'.*or pass a function"):
+        dummy.collective_rpc("execute_model")
+    with pytest.raises(InvalidRequestError, match=r"timeout=5\.0\) is not supported"):
+        dummy.collective_rpc("load_weights", timeout=5.0, kwargs={"weights": []})
+
+
+def test_collective_rpc_reload_weights(dummy, neutral, reference):
+    neutral.load_weights((n, torch.zeros_like(t)) for n, t in neutral.source.iter_weights()
+                         if n.endswith("o_proj.weight"))
+    assert greedy(neutral) != reference
+    neutral.collective_rpc("reload_weights")
+    assert greedy(neutral) == reference
+    neutral.sleep(level=2)  # verl's and TRL's cycle: weights discarded, woken empty, filled, then the KV cache
+    neutral.wake_up(["weights"])
+    assert neutral.collective_rpc("reload_weights") == [len(list(neutral.source.iter_weights()))]
+    neutral.wake_up(["kv_cache"])
+    assert greedy(neutral) == reference
+    dummy.collective_rpc("reload_weights")  # the dummy source re-reads its own (random) weights
+    assert greedy(dummy) != reference
+
+
+def test_dummy_weights_have_the_checkpoints_names_and_shapes(dummy, hf_tokenizer_dir, tmp_path):
+    shards = dummy.runner.model.weight_shards()
+    assert checkpoint_shapes(dummy.runner.model_config) == {n: s.shape for n, s in shards.items()}
+    for name, tensor in dummy.source.iter_weights():
+        assert tensor.abs().max() <= 1e-3, name
+    assert not any(f.endswith(".safetensors") for f in os.listdir(dummy.source.path))
+    assert dummy.get_tokenizer().name_or_path == hf_tokenizer_dir  # the tokenizer= keyword
+    # Attention biases and a tied head: the names and shapes of a real Qwen2 checkpoint written by transformers.
+    qwen = write_tiny_checkpoint(str(tmp_path / "qwen2"), hf_tokenizer_dir, arch="qwen2", num_hidden_layers=1,
+                                 tie_word_embeddings=True)
+    shapes = {n: tuple(t.shape) for n, t in open_model_source(qwen).iter_weights()}
+    assert any(n.endswith("q_proj.bias") for n in shapes) and "lm_head.weight" not in shapes
+    assert {n: tuple(t.shape) for n, t in open_model_source(qwen, load_format="dummy").iter_weights()} == shapes
+
+
+def refuse(runner):
+    """A collective_rpc function that fails on every rank alike."""
+    raise ValueError(f"refused on rank {runner.shard.rank}")
+
+
+def test_collective_rpc_reaches_every_tensor_parallel_rank(tmp_path):
+    from tidyrun.synthetic import write_random_checkpoint
+
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, vocab_size=512, max_position_embeddings=128, tie_word_embeddings=False,
+                 rope_theta=1e4)
+    folder = write_random_checkpoint(str(tmp_path / "tp"), shape, torch.float32, std=0.1)
+    with LLM(folder, device="cpu", tensor_parallel_size=2, kv_cache_memory=4 << 20,
+             distributed_executor_backend="mp") as llm:
+        assert llm.collective_rpc(runner_facts, args=("x",)) == [("TPDriverRunner", 0, "x"), ("ModelRunner", 1, "x")]
+        before = greedy(llm)
+        weights = dict(llm.source.iter_weights())
+        noisy = {n: t.flip(0) for n, t in weights.items() if n.endswith("up_proj.weight")}
+        assert llm.collective_rpc("load_weights", kwargs={"weights": noisy}) == [2, 2]
+        assert greedy(llm) != before
+        assert llm.collective_rpc("load_weights", args=(weights,)) == [len(weights)] * 2
+        llm.collective_rpc("load_weights", kwargs={"weights": noisy})
+        assert llm.collective_rpc("reload_weights") == [len(weights)] * 2  # every rank reads its slice again
+        with pytest.raises(InvalidRequestError, match="must be picklable"):
+            llm.collective_rpc(lambda runner: runner.shard.rank)
+        with pytest.raises(ValueError, match="refused on rank 0"):
+            llm.collective_rpc(refuse)
+        assert greedy(llm) == before  # the ranks are still in step
+
+
+def test_new_methods_after_shutdown(tiny_llama_dir):
+    import gc
+
+    from tidyrun import EngineShutdownError
+
+    llm = LLM(tiny_llama_dir, device="cpu", max_model_len=64, kv_cache_memory=1 << 20)
+    path = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    llm.shutdown()
+    calls = [llm.get_tokenizer, llm.get_default_sampling_params, llm.reset_prefix_cache, lambda: llm.llm_engine,
+             lambda: llm.collective_rpc(runner_facts, args=(1,)), lambda: llm.load_weights([]),
+             lambda: path.load_weights([])]
+    for call in calls:
+        with pytest.raises(EngineShutdownError, match="shut down"):
+            call()
+    del llm, calls, call  # the bound methods held it
+    gc.collect()
+    with pytest.raises(EngineShutdownError, match="is gone"):  # the path kept nothing alive
+        path.load_weights([])

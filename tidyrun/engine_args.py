@@ -1,0 +1,179 @@
+"""vLLM's ``LLM(...)`` keywords -> an EngineConfig, every one checked before any file is read.
+
+Code written for ``vllm.LLM`` passes many keywords even at neutral values
+(TRL's GRPO colocate mode: ``distributed_executor_backend``, ``model_impl``,
+``enable_sleep_mode``, ``logprobs_mode``, ``quantization``; verl's rollout:
+``load_format``, ``enable_chunked_prefill``, ``disable_custom_all_reduce``,
+``skip_tokenizer_init``...). Porting must take only the import, so each is
+accepted, and each either maps onto the EngineConfig (with vLLM's spellings
+of its values: ``dtype="auto"``, ``seed=None``...) or has no meaning in
+tidyrun. Those are accepted at the values where vLLM behaves as tidyrun
+does, and refused otherwise with InvalidRequestError naming the keyword and
+the value: silently ignoring ``quantization="awq"`` would run something the
+caller did not ask for. All of it runs before the model is opened, so a
+refused keyword costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import torch
+
+from .config import CacheConfig, EngineConfig, SpeculativeConfig
+from .errors import InvalidRequestError
+
+
+class _Accepted(NamedTuple):
+    ok: Callable[[Any], bool]
+    values: str  # the accepted values, in words
+    meaning: str  # why tidyrun needs nothing else (said when refusing)
+
+
+def _bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _empty(v) -> bool:
+    return v is None or (isinstance(v, dict) and not v)
+
+
+# Keywords with no meaning in tidyrun: name -> the values accepted, and why those suffice.
+NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
+    "trust_remote_code": _Accepted(_bool, "True or False",
+                                   "tidyrun never runs code from the hub; it reads configs, weights and tokenizers"),
+    "enable_sleep_mode": _Accepted(_bool, "True or False", "every tidyrun engine can sleep()"),
+    "disable_log_stats": _Accepted(_bool, "True or False",
+                                   "tidyrun logs no periodic statistics (llm.stats() returns them)"),
+    "disable_custom_all_reduce": _Accepted(_bool, "True or False",
+                                           "tidyrun's all-reduce is torch.distributed's (gloo / NCCL)"),
+    "disable_mm_preprocessor_cache": _Accepted(_bool, "True or False", "tidyrun runs text-only models"),
+    "swap_space": _Accepted(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                            "a number of GiB >= 0", "tidyrun preempts by recomputing and never swaps KV blocks"),
+    "model_impl": _Accepted(lambda v: v in ("auto", "vllm"), "'auto' or 'vllm'",
+                            "tidyrun runs its own Llama-family implementation"),
+    "cpu_offload_gb": _Accepted(lambda v: v in (0, 0.0) and not isinstance(v, bool), "0",
+                                "tidyrun keeps the weights on the device while running "
+                                "(sleep(level=1) moves them to host memory between rollouts)"),
+    "skip_tokenizer_init": _Accepted(lambda v: v is False, "False",
+                                     "tidyrun detokenizes every output and checks stop strings, so it needs the "
+                                     "tokenizer"),
+    "tokenizer_mode": _Accepted(lambda v: v in ("auto", "hf"), "'auto' or 'hf'",
+                                "tidyrun uses the model's Hugging Face tokenizer"),
+    "enable_chunked_prefill": _Accepted(lambda v: v is None or v is True, "None or True",
+                                        "tidyrun always splits prefills longer than max_num_batched_tokens"),
+    "hf_overrides": _Accepted(_empty, "None or {}", "tidyrun reads the model's config.json as it is"),
+    "kv_cache_dtype": _Accepted(lambda v: v == "auto", "'auto'", "the KV cache is kept in the model's dtype"),
+    "limit_mm_per_prompt": _Accepted(_empty, "None or {}", "tidyrun runs text-only models"),
+})
+
+# Every keyword check_no_effect_options checks (and that LLM(config=...) therefore does not count as a conflict).
+CHECKED_APART = frozenset(NO_EFFECT) | {"distributed_executor_backend"}
+
+# vLLM's distributed_executor_backend values that run the way tidyrun runs, by tensor_parallel_size.
+_SINGLE_RANK_BACKENDS = (None, "mp", "uni", "external_launcher")
+_MULTI_RANK_BACKENDS = (None, "mp")
+
+
+def check_no_effect_options(options: Mapping[str, Any], tensor_parallel_size: int) -> None:
+    """Refuse a keyword of ``NO_EFFECT`` (or distributed_executor_backend) at a value tidyrun cannot honour."""
+    for name, accepted in NO_EFFECT.items():
+        value = options[name]
+        if not accepted.ok(value):
+            raise InvalidRequestError(f"LLM({name}={value!r}) is not supported: {accepted.meaning}; "
+                                      f"pass {accepted.values} (or leave it out)")
+    backend = options["distributed_executor_backend"]
+    if tensor_parallel_size == 1 and backend in _SINGLE_RANK_BACKENDS:
+        # "external_launcher" (TRL's colocate mode under torchrun/accelerate): every training process builds
+        # its own one-rank engine in-process, which is what a tidyrun engine of one rank always is.
+        return
+    if tensor_parallel_size != 1 and backend in _MULTI_RANK_BACKENDS:
+        return  # the worker ranks are processes this engine spawns, as vLLM's "mp" backend does
+    if backend == "external_launcher":
+        raise InvalidRequestError(
+            f"LLM(distributed_executor_backend='external_launcher') with tensor_parallel_size="
+            f"{tensor_parallel_size} is not supported yet: tidyrun cannot join ranks launched by torchrun; use "
+            "tensor_parallel_size=1 per process, or leave the backend out (this engine then spawns its ranks)")
+    allowed = _SINGLE_RANK_BACKENDS if tensor_parallel_size == 1 else _MULTI_RANK_BACKENDS
+    raise InvalidRequestError(
+        f"LLM(distributed_executor_backend={backend!r}) is not supported with tensor_parallel_size="
+        f"{tensor_parallel_size}: pass one of {list(allowed)}")
+
+
+def _alias(options: Mapping[str, Any], ours: str, theirs: str, default=None):
+    """The value of an option that has tidyrun's name and vLLM's: either one, or both when they agree."""
+    a, b = options[ours], options[theirs]
+    if a is not default and b is not default and a != b:
+        raise InvalidRequestError(f"{ours}={a!r} and {theirs}={b!r} are one option (tidyrun's and vLLM's name) "
+                                  "with different values; pass one")
+    return a if a is not default else b
+
+
+def _dtype(value):
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return None if value == "auto" else value
+
+
+def _load_format(options: Mapping[str, Any]) -> str:
+    load_format, quantization = options["load_format"], options["quantization"]
+    if load_format == "pt":
+        raise InvalidRequestError("LLM(load_format='pt') is not supported: tidyrun reads safetensors and GGUF "
+                                  "files, not PyTorch .bin/.pt checkpoints; convert the checkpoint to safetensors")
+    if quantization is None:
+        return load_format
+    if quantization != "gguf":
+        raise InvalidRequestError(
+            f"LLM(quantization={quantization!r}) is not supported: tidyrun runs unquantized weights (bf16/fp16/fp32; "
+            "GGUF files are dequantized when loaded); pass None, or 'gguf' for a GGUF model")
+    if load_format not in ("auto", "gguf"):
+        raise InvalidRequestError(f"quantization='gguf' needs a GGUF model, but load_format={load_format!r}")
+    return "gguf"
+
+
+def _cuda_graph_sizes(options: Mapping[str, Any]):
+    compilation = options["compilation_config"]
+    if compilation is None:
+        return options["cuda_graph_sizes"]
+    if not isinstance(compilation, dict) or set(compilation) - {"cudagraph_capture_sizes"}:
+        raise InvalidRequestError(
+            f"LLM(compilation_config={compilation!r}) is not supported: tidyrun does not use torch.compile; "
+            "it takes a dict with cudagraph_capture_sizes only (the same as cuda_graph_sizes)")
+    sizes = compilation.get("cudagraph_capture_sizes")
+    ours = options["cuda_graph_sizes"]
+    if ours is not None and sizes is not None and list(ours) != list(sizes):
+        raise InvalidRequestError(f"cuda_graph_sizes={ours!r} and compilation_config's cudagraph_capture_sizes="
+                                  f"{sizes!r} are one option with different values; pass one")
+    return ours if ours is not None else sizes
+
+
+def engine_config(model: str | None, options: Mapping[str, Any]) -> EngineConfig:
+    """The EngineConfig of ``LLM(model, **options)`` (every keyword of ``LLM.__init__`` but ``config``)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+    def given(name: str):  # vLLM's None ("pick for me") -> tidyrun's default
+        return defaults[name] if options[name] is None else options[name]
+
+    tokenizer, tokenizer_revision = options["tokenizer"], options["tokenizer_revision"]
+    if tokenizer is None and tokenizer_revision is not None:
+        tokenizer = model  # vLLM: the model's own tokenizer, from another revision
+    if tokenizer == model and tokenizer_revision in (None, options["revision"]):
+        tokenizer = tokenizer_revision = None  # the model's own tokenizer, from its own files
+    return EngineConfig(
+        model=model, dtype=_dtype(options["dtype"]), device=options["device"], max_model_len=options["max_model_len"],
+        max_num_seqs=given("max_num_seqs"), max_num_batched_tokens=given("max_num_batched_tokens"),
+        seed=given("seed"), enable_prefix_caching=given("enable_prefix_caching"),
+        speculative=SpeculativeConfig.from_value(_alias(options, "speculative", "speculative_config")),
+        enforce_eager=options["enforce_eager"], cuda_graph_sizes=_cuda_graph_sizes(options),
+        kernels=options["kernels"], tensor_parallel_size=options["tensor_parallel_size"],
+        keep_host_buffers=options["keep_host_buffers"],
+        cache=CacheConfig(block_size=options["block_size"], num_blocks=options["num_kv_blocks"],
+                          memory_bytes=_alias(options, "kv_cache_memory", "kv_cache_memory_bytes"),
+                          gpu_memory_utilization=options["gpu_memory_utilization"]),
+        max_logprobs=options["max_logprobs"], logprobs_mode=options["logprobs_mode"],
+        revision=options["revision"], download_dir=options["download_dir"], load_format=_load_format(options),
+        tokenizer=tokenizer, tokenizer_revision=tokenizer_revision,
+    )
