@@ -253,3 +253,13 @@ def test_harmless_openai_fields_are_accepted(client):
     assert len(r.choices) == 2
     bias_free = complete(client, max_tokens=4, best_of=1, presence_penalty=0, frequency_penalty=0, seed=1)
     assert bias_free.choices[0].text == complete(client, max_tokens=4).choices[0].text
+
+
+def test_a_refused_prompt_refuses_the_whole_request(server):
+    """The engine accepts the first prompt and refuses the second: the answer is a 400 and the first,
+    already queued, is aborted (nothing keeps running for a request that failed)."""
+    body = {"model": "smol", "prompt": ["Tell me a long story.", ""], "max_tokens": 300, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    m = server.wait_idle(timeout=5)
+    assert (m["tidyrun_requests_running"], m["tidyrun_requests_waiting"], m["tidyrun_kv_cache_usage_ratio"]) == (0, 0, 0)

@@ -81,7 +81,8 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         parts, param = [], None
         for err in exc.errors()[:5]:
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            msg = "unknown field: tidyrun does not support it" if err.get("type") == "extra_forbidden" else err.get("msg")
+            unknown = err.get("type") == "extra_forbidden"
+            msg = "unknown field: tidyrun does not support it" if unknown else err.get("msg")
             parts.append(f"{loc}: {msg}" if loc else str(msg))
             param = param or loc or None
         return _error_body(400, "invalid request: " + "; ".join(parts), "invalid_request_error", param)
@@ -166,16 +167,19 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
                 last = out
             return last
 
-        task = asyncio.gather(*(final(sub) for sub in subs))
+        tasks = [asyncio.ensure_future(final(sub)) for sub in subs]
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
+                done, pending = await asyncio.wait(tasks, timeout=_DISCONNECT_POLL_S,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # a failed request fails the call (the others are aborted below)
+                if not pending:
+                    return [task.result() for task in tasks]
                 if await request.is_disconnected():
                     raise asyncio.CancelledError
         finally:
-            if not task.done():
+            for task in tasks:
                 task.cancel()
             for sub in subs:
                 sub.close()
