@@ -96,7 +96,8 @@ def test_stop_string_and_seed(client):
     ('{"model": "smol", "prompt": "hi", "top_p": 7}', 400, "top_p"),
     ('{"model": "smol", "prompt": "hi", "max_tokens": 100000}', 400, "maximum context length"),
     ('{"model": "smol", "prompt": "hi", "n": 1000}', 400, "n must"),
-    ('{"model": "smol", "prompt": "hi", "logprobs": 2}', 400, "logprobs"),
+    ('{"model": "smol", "prompt": "hi", "logprobs": 21}', 400, "logprobs"),
+    ('{"model": "smol", "prompt": "hi", "logprob": 2}', 400, "logprob: unknown field"),
     ('{"model": "smol", "prompt": [99999999]}', 400, "token ids"),
     ('{"model": "smol", "prompt": ""}', 400, "empty"),
 ])

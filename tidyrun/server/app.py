@@ -18,8 +18,9 @@ from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestEr
                       TidyrunError)
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from ..sequence import streamable_length
-from .engine_loop import EngineLoop
+from .choices import ChatChoices, CompletionChoices
+from .engine_loop import EngineLoop, Submission
+from .logprobs_format import TokenText
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, UpdateWeightsRequest
 
@@ -57,6 +58,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     tokenizer = llm.tokenizer
     max_model_len = llm.max_model_len
     vocab = llm.runner.model_config.vocab_size
+    token_text = TokenText(tokenizer)
     metrics = ServerMetrics(loop)
 
     @asynccontextmanager
@@ -76,11 +78,14 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         metrics.count(request.url.path, 400)
-        parts = []
+        parts, param = [], None
         for err in exc.errors()[:5]:
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        return _error_body(400, "invalid request: " + "; ".join(parts), "invalid_request_error")
+            unknown = err.get("type") == "extra_forbidden"
+            msg = "unknown field: tidyrun does not support it" if unknown else err.get("msg")
+            parts.append(f"{loc}: {msg}" if loc else str(msg))
+            param = param or loc or None
+        return _error_body(400, "invalid request: " + "; ".join(parts), "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -132,26 +137,52 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
             return ids
         return tokenizer.encode(prompt)
 
-    async def run_to_end(request: Request, ids: list[int], params: SamplingParams) -> RequestOutput:
-        """Consume a request to its end; a client that disconnects meanwhile aborts it."""
-        async def consume():
+    def truncate(ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last ``keep`` tokens (-1: as many as fit with one more)."""
+        if keep is None:
+            return ids
+        keep = max_model_len - 1 if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
+    async def submit_all(requests: list[tuple[list[int], SamplingParams]], stream: bool) -> list[Submission]:
+        """Submit every request and wait until the engine has accepted them all; if it refuses one, the
+        others are aborted and its error is raised, so a request is answered whole or not at all."""
+        subs: list[Submission] = []
+        try:
+            for ids, params in requests:
+                subs.append(loop.submit({"prompt_token_ids": ids}, params, stream=stream))
+            for sub in subs:
+                await sub.accepted()
+        except BaseException:
+            for sub in subs:
+                sub.close()
+            raise
+        return subs
+
+    async def run_to_end(request: Request, subs: list[Submission]) -> list[RequestOutput]:
+        """The final outputs of accepted requests; a client that disconnects meanwhile aborts them."""
+        async def final(sub: Submission) -> RequestOutput:
             last = None
-            async for out in loop.generate({"prompt_token_ids": ids}, params, stream=False):
+            async for out in sub:
                 last = out
             return last
 
-        task = asyncio.ensure_future(consume())
+        tasks = [asyncio.ensure_future(final(sub)) for sub in subs]
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
+                done, pending = await asyncio.wait(tasks, timeout=_DISCONNECT_POLL_S,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # a failed request fails the call (the others are aborted below)
+                if not pending:
+                    return [task.result() for task in tasks]
                 if await request.is_disconnected():
-                    task.cancel()
                     raise asyncio.CancelledError
         finally:
-            if not task.done():
+            for task in tasks:
                 task.cancel()
+            for sub in subs:
+                sub.close()
 
     def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -160,32 +191,31 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    async def stream_choices(ids: list[int], params: SamplingParams, make_chunk, include_usage: bool,
-                             on_first=None) -> AsyncIterator[str]:
-        """SSE chunks of every choice's new text per step; ``[DONE]`` at the end."""
-        sent: dict[int, int] = {}
+    async def stream_choices(sub: Submission, prompt_len: int, choices, envelope: Callable[[list], dict],
+                             include_usage: bool, opening: list[dict] = ()) -> AsyncIterator[str]:
+        """SSE chunks (``envelope(choice deltas)``) of every choice's progress per step; ``[DONE]`` at the end."""
         done: set[int] = set()
         last = None
-        if on_first is not None:
-            for i in range(params.n):
-                yield sse(on_first(i))
-        async for out in loop.generate({"prompt_token_ids": ids}, params):
-            last = out
-            for c in out.outputs:
-                if c.index in done:
-                    continue
-                visible = streamable_length(c.text, params.stop, c.finished)
-                start = sent.get(c.index, 0)
-                if visible > start or c.finished:
-                    yield sse(make_chunk(c.index, c.text[start:visible], c.finish_reason))
-                    sent[c.index] = max(start, visible)
-                if c.finished:
-                    done.add(c.index)
+        try:
+            for choice in opening:
+                yield sse(envelope([choice]))
+            async for out in sub:
+                last = out
+                for c in out.outputs:
+                    if c.index in done:
+                        continue
+                    delta = choices.delta(out, c)
+                    if delta is not None:
+                        yield sse(envelope([delta]))
+                    if c.finished:
+                        done.add(c.index)
+        finally:
+            sub.close()
         if last is not None:
-            n_out = sum(len(c.token_ids) for c in last.outputs)
-            metrics.tokens(len(ids), n_out)
+            n_out = sum(len(choices.generated(c)[1]) for c in last.outputs)
+            metrics.tokens(prompt_len, n_out)
             if include_usage:
-                yield sse(make_chunk(None, None, None) | {"choices": [], "usage": usage(len(ids), n_out)})
+                yield sse(envelope([]) | {"usage": usage(prompt_len, n_out)})
         yield "data: [DONE]\n\n"
 
     # -- OpenAI routes -----------------------------------------------------------------
@@ -199,30 +229,40 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompts = [encode(p) for p in body.prompts()]
+        prompts, prompt_texts = [], []
+        for item in body.prompts():
+            full = encode(item)
+            ids = truncate(full, body.truncate_prompt_tokens)
+            prompts.append(ids)
+            # echo shows the prompt as sent; one given as token ids (or truncated) is shown decoded
+            prompt_texts.append("" if not body.echo else item if isinstance(item, str) and len(ids) == len(full)
+                                else tokenizer.decode(ids, skip_special_tokens=False))
         if body.stream and len(prompts) != 1:
             raise APIError(400, "streaming supports one prompt per request", param="prompt")
+        score_only = body.max_tokens == 0  # echo with max_tokens=0: one token is generated, then dropped
+        requests = [(ids, body.params(budget(len(ids), 1 if score_only else body.max_tokens))) for ids in prompts]
+        subs = await submit_all(requests, body.stream)
         created, rid, model = int(time.time()), f"cmpl-{uuid.uuid4().hex}", served_model_name
-        if body.stream:
-            ids = prompts[0]
-            params = body.sampling_params(budget(len(ids), body.max_tokens))
 
-            def chunk(index, text, finish):
-                choices = [] if index is None else [{"index": index, "text": text, "logprobs": None,
-                                                     "finish_reason": finish}]
-                return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        def choices_of(k: int) -> CompletionChoices:
+            return CompletionChoices(token_text, requests[k][1].stop, body.logprobs, body.prompt_logprobs,
+                                     body.echo, prompt_texts[k], score_only)
+
+        if body.stream:
+            def envelope(deltas: list) -> dict:
+                return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": deltas}
 
             metrics.count("/v1/completions", 200)
-            return StreamingResponse(stream_choices(ids, params, chunk, body.include_usage),
-                                     media_type="text/event-stream")
-        all_params = [body.sampling_params(budget(len(ids), body.max_tokens)) for ids in prompts]
-        outs = await asyncio.gather(*(run_to_end(request, ids, p) for ids, p in zip(prompts, all_params)))
+            return StreamingResponse(stream_choices(subs[0], len(prompts[0]), choices_of(0), envelope,
+                                                    body.include_usage), media_type="text/event-stream")
+        outs = await run_to_end(request, subs)
         choices, completion_tokens = [], 0
         for k, out in enumerate(outs):
+            builder = choices_of(k)
             for c in out.outputs:
-                choices.append({"index": k * body.n + c.index, "text": c.text, "logprobs": None,
-                                "finish_reason": c.finish_reason})
-                completion_tokens += len(c.token_ids)
+                choices.append(builder.whole(out, c, k * body.n + c.index))
+                completion_tokens += len(builder.generated(c)[1])
         prompt_tokens = sum(len(ids) for ids in prompts)
         metrics.tokens(prompt_tokens, completion_tokens)
         metrics.count("/v1/completions", 200)
@@ -232,32 +272,31 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        ids = tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
-        params = body.sampling_params(budget(len(ids), body.requested_max_tokens))
+        ids = truncate(tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt),
+                       body.truncate_prompt_tokens)
+        params = body.params(budget(len(ids), body.requested_max_tokens))
+        (sub,) = await submit_all([(ids, params)], body.stream)
+        choices = ChatChoices(token_text, params.stop, body.num_top_logprobs, body.prompt_logprobs)
         created, rid, model = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", served_model_name
         if body.stream:
-            def chunk(index, text, finish):
-                choices = [] if index is None else [{"index": index, "delta": {"content": text} if text else {},
-                                                     "logprobs": None, "finish_reason": finish}]
+            def envelope(deltas: list) -> dict:
                 return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": choices}
+                        "choices": deltas}
 
-            def first(index):
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]}
-
+            opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(params.n)]
             metrics.count("/v1/chat/completions", 200)
-            return StreamingResponse(stream_choices(ids, params, chunk, body.include_usage, first),
+            return StreamingResponse(stream_choices(sub, len(ids), choices, envelope, body.include_usage, opening),
                                      media_type="text/event-stream")
-        out = await run_to_end(request, ids, params)
+        (out,) = await run_to_end(request, [sub])
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         metrics.tokens(len(ids), completion_tokens)
         metrics.count("/v1/chat/completions", 200)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": None, "finish_reason": c.finish_reason} for c in out.outputs],
-                "usage": usage(len(ids), completion_tokens)}
+        response = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [choices.whole(c) for c in out.outputs], "usage": usage(len(ids), completion_tokens)}
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = choices.prompt_logprobs(out)
+        return response
 
     @app.post("/v1/embeddings", dependencies=[Depends(check_key)])
     async def embeddings(body: EmbeddingRequest):

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine import LLM
@@ -48,6 +48,55 @@ class EngineStats:
     values: dict = field(default_factory=dict)
 
 
+_ACCEPTED = object()  # the first item a subscriber gets once the engine has queued its request
+
+
+class Submission:
+    """One request handed to the engine loop.
+
+    ``await accepted()`` returns once the engine has queued it, or raises what
+    the engine refused it for (a bad parameter, a sleeping engine): a handler
+    awaits it before it starts a 200 stream, so every refusal is a clean
+    error response, never a stream cut short. Iterating yields the request's
+    outputs until it finishes. ``close()`` aborts it if it has not finished
+    (freeing its KV blocks); handlers call it in ``finally`` whatever happened.
+    """
+
+    def __init__(self, commands: queue.SimpleQueue, request_id: str, sub: _Subscriber) -> None:
+        self._commands, self.request_id, self._sub = commands, request_id, sub
+        self._accepted = False
+        self._over = False  # finished, refused or closed: nothing left to abort
+
+    async def accepted(self) -> None:
+        if self._accepted:
+            return
+        item = await self._sub.queue.get()
+        if isinstance(item, _Failure):
+            self._over = True
+            raise item.error
+        self._accepted = True
+
+    def __aiter__(self) -> Submission:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._over:
+            raise StopAsyncIteration
+        await self.accepted()
+        item = await self._sub.queue.get()
+        if isinstance(item, _Failure):
+            self._over = True
+            raise item.error
+        if item.finished:
+            self._over = True
+        return item
+
+    def close(self) -> None:
+        if not self._over:
+            self._over = True
+            self._commands.put(("abort", self.request_id))
+
+
 class EngineLoop:
     """Runs ``llm`` on a background thread until ``stop()``."""
 
@@ -73,32 +122,14 @@ class EngineLoop:
         if not self.running:
             raise EngineShutdownError("the server is shutting down")
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
-        """Submit one request and yield its output after every engine step until it finishes
-        (``stream=False``: only the final output).
-
-        Leaving the iteration early (client gone, task cancelled) aborts the
-        request, which frees its KV blocks.
-        """
+    def submit(self, prompt: PromptType, params: SamplingParams, stream: bool = True) -> Submission:
+        """Queue one request; ``await accepted()`` on the result, then iterate its outputs
+        (``stream=False``: only the final one)."""
         self._check_running()
         request_id = uuid.uuid4().hex
         sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(), stream)
         self._commands.put(("add", request_id, prompt, params, sub))
-        finished = False
-        try:
-            while True:
-                item = await sub.queue.get()
-                if isinstance(item, _Failure):
-                    finished = True
-                    raise item.error
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._commands.put(("abort", request_id))
+        return Submission(self._commands, request_id, sub)
 
     async def call(self, fn: Callable[[LLM], object]):
         """Run ``fn(llm)`` on the loop thread between steps and return its result (or raise its error)."""
@@ -147,6 +178,7 @@ class EngineLoop:
             try:
                 self.llm.add_request(prompt, params, request_id=request_id)
                 self._subscribers[request_id] = sub
+                sub.push(_ACCEPTED)
             except Exception as exc:  # a bad request fails alone; the loop keeps serving
                 sub.push(_Failure(exc))
         elif kind == "abort":

@@ -1,0 +1,265 @@
+"""OpenAI's sampling and output options end to end: a real `tidyrun serve` on the default model (CPU),
+driven by the official openai client.
+
+Logprobs, echo with logprobs, penalties, logit_bias and response_format need
+the engine to honour the SamplingParams the server builds; the refusals
+(400 naming the field) are the server's own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server_utils import ServerProcess
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+BANANA, PARIS = 21285, 7042  # " banana" and " Paris" in SmolLM2's vocabulary
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-model-len", "512", "--served-model-name", "smol")
+    yield srv
+    code, err = srv.stop()
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert "nothing survived" in err
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(client, **kw):
+    return client.completions.create(model="smol", **{"prompt": PROMPT, "temperature": 0, **kw})
+
+
+# -- completions: logprobs and echo ------------------------------------------------------------
+
+
+def test_completion_logprobs_shape_and_values(client):
+    r = complete(client, max_tokens=8, logprobs=2)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    n = r.usage.completion_tokens
+    assert lp is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens).startswith(choice.text)
+    for i, (token, value, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)):
+        assert value <= 0.0
+        assert 1 <= len(top) <= 3  # the 2 most likely plus the chosen one
+        assert top[token] == pytest.approx(value)
+        assert value == pytest.approx(max(top.values()), abs=1e-5)  # temperature 0 picks the most likely
+        if i:
+            assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+    only_chosen = complete(client, max_tokens=8, logprobs=0).choices[0].logprobs
+    assert [list(t) for t in only_chosen.top_logprobs] == [[t] for t in lp.tokens]
+    assert only_chosen.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+
+def test_echo_with_logprobs_scores_the_prompt_first(client):
+    r = complete(client, max_tokens=4, logprobs=1, echo=True)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + r.usage.completion_tokens
+    assert "".join(lp.tokens[:n_prompt]) == PROMPT
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert all(v is not None and v <= 0.0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len(PROMPT)
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == pytest.approx(value)
+
+
+def test_generated_logprobs_match_the_same_tokens_scored_as_a_prompt(client):
+    """Sampling's logprobs and the prompt's (one prefill) agree, token by token and summed."""
+    gen = complete(client, max_tokens=8, logprobs=1)
+    text, lp = gen.choices[0].text, gen.choices[0].logprobs
+    scored = complete(client, prompt=PROMPT + text, max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices[0].text == PROMPT + text and scored.usage.completion_tokens == 0
+    tail = scored.choices[0].logprobs
+    n = len(lp.tokens)
+    assert tail.tokens[-n:] == lp.tokens
+    assert tail.token_logprobs[-n:] == pytest.approx(lp.token_logprobs, abs=2e-3)
+    assert sum(tail.token_logprobs[-n:]) == pytest.approx(sum(lp.token_logprobs), abs=1e-2)
+
+
+def test_streamed_completion_logprobs_add_up_to_the_whole(client):
+    whole = complete(client, max_tokens=8, logprobs=2, echo=True).choices[0]
+    tokens, values, offsets, text = [], [], [], ""
+    for chunk in complete(client, max_tokens=8, logprobs=2, echo=True, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert text == whole.text
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert values[0] is None and values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_prompt_logprobs_extra(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=120,
+                   json={"model": "smol", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    steps = r.json()["choices"][0]["prompt_logprobs"]
+    assert steps[0] is None and len(steps) == r.json()["usage"]["prompt_tokens"]
+    for step in steps[1:]:
+        assert 1 <= len(step) <= 2 and all(v["logprob"] <= 0.0 and v["rank"] >= 1 for v in step.values())
+
+
+# -- chat: logprobs ----------------------------------------------------------------------------
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    r = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content).startswith(r.choices[0].message.content)
+    for e in content:
+        assert e.logprob <= 0.0 and e.bytes == list(e.token.encode())
+        assert len(e.top_logprobs) == 3
+        values = [t.logprob for t in e.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.logprob == pytest.approx(values[0])  # greedy
+    plain = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=12, temperature=0,
+                                           logprobs=True)
+    assert [e.token for e in plain.choices[0].logprobs.content] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    none = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=4, temperature=0)
+    assert none.choices[0].logprobs is None
+
+
+def test_chat_streaming_carries_logprobs(client):
+    kw = dict(model="smol", messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed += c.logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+
+
+# -- structured outputs ------------------------------------------------------------------------
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+               "required": ["city", "country"], "additionalProperties": False}
+
+
+def test_response_format_json_schema(client):
+    r = client.chat.completions.create(
+        model="smol", max_tokens=64, temperature=0,
+        messages=[{"role": "user", "content": "Name the capital of France and its country, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA,
+                                                                "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"city", "country"} and all(isinstance(v, str) for v in value.values())
+
+
+def test_response_format_json_object_and_vllm_guided_fields(client):
+    r = client.chat.completions.create(
+        model="smol", max_tokens=64, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Answer in JSON: what is the capital of France?"}])
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    choice = complete(client, max_tokens=8, extra_body={"guided_choice": ["Lyon", "Marseille"]}).choices[0].text
+    assert choice in ("Lyon", "Marseille")
+    digits = complete(client, max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert len(digits.choices[0].text) == 3 and digits.choices[0].text.isdigit()
+    schema = complete(client, max_tokens=8, extra_body={"guided_json": {"type": "integer"}})
+    assert isinstance(json.loads(schema.choices[0].text), int)
+
+
+# -- penalties, logit_bias ---------------------------------------------------------------------
+
+LOVE = "I love you, I love you, I love you,"  # greedy goes on " I love you, I love you, ..."
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                                     {"extra_body": {"repetition_penalty": 1.8}}])
+def test_penalties_stop_a_repetition(client, penalty):
+    """Checked against vLLM's definitions by hand on this model: each penalty breaks the loop."""
+    base = complete(client, prompt=LOVE, max_tokens=16).choices[0].text
+    penalized = complete(client, prompt=LOVE, max_tokens=16, **penalty).choices[0].text
+    assert base.count("love") >= 3
+    assert penalized.count("love") <= 1
+
+
+def test_logit_bias_forces_and_forbids_tokens(client):
+    def text_of(token_id: int) -> str:  # echo of a token-id prompt is its text
+        return complete(client, prompt=[token_id], max_tokens=0, echo=True).choices[0].text
+
+    assert (text_of(BANANA), text_of(PARIS)) == (" banana", " Paris")
+    assert complete(client, max_tokens=5, logit_bias={str(BANANA): 100}).choices[0].text == " banana" * 5
+    assert complete(client, max_tokens=1).choices[0].text == " Paris"  # greedy, unbiased
+    banned = complete(client, max_tokens=1, logit_bias={str(PARIS): -100}).choices[0].text
+    assert banned and banned != " Paris"
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route, extra, needle", [
+    ("completions", {"logit_bias": {"5": 200}}, "logit_bias"),
+    ("completions", {"logit_bias": {"five": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"99999999": 1}, "stream": True}, "logit_bias"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("completions", {"response_format": {"type": "json_schema"}}, "json_schema"),
+    ("completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ("completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+    ("completions", {"suffix": "!"}, "suffix"),
+    ("completions", {"use_beam_search": True}, "use_beam_search"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not supported"),
+    ("chat/completions", {"tool_choice": "auto"}, "tools are not supported"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, "tools are not supported"),
+    ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("chat/completions", {"logit_bias": {"1": -101}}, "logit_bias"),
+    ("chat/completions", {"echo": True}, "echo"),
+])
+def test_unsupported_or_invalid_options_are_400_naming_the_field(server, route, extra, needle):
+    body = {"model": "smol", "max_tokens": 2, **extra}
+    body.update({"messages": QUESTION} if route.startswith("chat") else {"prompt": "hi"})
+    r = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")  # refused before any stream starts
+    assert needle in r.json()["error"]["message"]
+
+
+def test_harmless_openai_fields_are_accepted(client):
+    r = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=2, user="u1", seed=3,
+                                       tool_choice="none", parallel_tool_calls=False, metadata={"k": "v"},
+                                       service_tier="auto", response_format={"type": "text"}, n=2, logit_bias={})
+    assert len(r.choices) == 2
+    bias_free = complete(client, max_tokens=4, best_of=1, presence_penalty=0, frequency_penalty=0, seed=1)
+    assert bias_free.choices[0].text == complete(client, max_tokens=4).choices[0].text
+
+
+def test_a_refused_prompt_refuses_the_whole_request(server):
+    """The engine accepts the first prompt and refuses the second: the answer is a 400 and the first,
+    already queued, is aborted (nothing keeps running for a request that failed)."""
+    body = {"model": "smol", "prompt": ["Tell me a long story.", ""], "max_tokens": 300, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    m = server.wait_idle(timeout=5)
+    assert (m["tidyrun_requests_running"], m["tidyrun_requests_waiting"], m["tidyrun_kv_cache_usage_ratio"]) == (0, 0, 0)
