@@ -29,12 +29,14 @@ from tidyrun import LLM, SamplingParams
 from tidyrun.loader import default_model_path
 
 PROMPTS = ["What colour is the sky?", "Name a colour.", "Pick a colour for a car.", "Which colour do you like?"]
-TARGET = "blue"
+COLOURS = ("red", "orange", "yellow", "green", "blue", "purple", "violet", "pink", "brown", "black", "white",
+           "grey", "gray")
 
 
 def reward(text: str) -> float:
-    """1 for a completion that says the target word: an easy, noisy objective that a few steps can move."""
-    return 1.0 if TARGET in text.lower() else 0.0
+    """1 for a completion that names a colour: a simple objective the untrained model meets now and then."""
+    words = "".join(c if c.isalpha() else " " for c in text.lower()).split()
+    return 1.0 if any(w in COLOURS for w in words) else 0.0
 
 
 def memory(device: str) -> dict[str, float]:
@@ -86,7 +88,9 @@ def main(iterations: int = 2, n: int = 8, max_tokens: int = 12, lr: float = 3e-5
     rewards, max_diffs, gains = [], [], []  # gains: advantage-weighted change of the completions' logprob
     try:
         for it in range(iterations):
-            params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0, seed=seed + it)
+            # No per-request seed: the engine's seed draws each sample's, so the run is reproducible and the
+            # samples of different iterations differ.
+            params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0)
             outputs = llm.generate(prompts, params, use_tqdm=False)
             phases.append((f"{it}: rollout", memory(device)))
             llm.sleep(level=2)  # the trainer gets the device: weights and KV cache released
@@ -127,8 +131,7 @@ def main(iterations: int = 2, n: int = 8, max_tokens: int = 12, lr: float = 3e-5
             phases.append((f"{it}: weights pushed ({loaded} tensors)", memory(device)))
             print(f"iteration {it}: mean reward {rewards[-1]:.3f}, rollout vs trainer logprobs max |diff| "
                   f"{max_diffs[-1]:.2e}, advantage-weighted logprob gain {gains[-1]:+.4f}")
-        final = llm.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens,
-                                                     seed=seed + iterations), use_tqdm=False)
+        final = llm.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens), use_tqdm=False)
         rewards.append(statistics.fmean(reward(c.text) for o in final for c in o.outputs))
     finally:
         report = llm.shutdown()
