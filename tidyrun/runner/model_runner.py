@@ -45,7 +45,7 @@ from ..model.ops import TorchOps, TritonOps
 from ..model.sharding import TPShard
 from ..report import ShutdownReport
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
-from ..logits_process import process_logits
+from ..logits_process import process_logits, stop_token_bans
 from ..sampling import Sampler, logprob_records
 from ..scheduler import ScheduledBatch
 from ..sequence import PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
@@ -558,11 +558,10 @@ class ModelRunner:
         """Mask the stop tokens of sequences still below ``min_tokens``; whether any row changed."""
         changed = False
         for row, seq in enumerate(seqs):
-            if seq.below_min_tokens():
-                banned = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(self.eos_token_ids))
-                if banned:
-                    logits[row, sorted(banned)] = float("-inf")
-                    changed = True
+            banned = stop_token_bans(seq, self.eos_token_ids)
+            if banned:
+                logits[row, sorted(banned)] = float("-inf")
+                changed = True
         return changed
 
     def make_generator(self, seed: int) -> torch.Generator:
