@@ -169,7 +169,7 @@ def check_skinny(device, dtype, shapes, configs, seed=0):
     """skinny_linear (with and without bias, every config; a split finished in-kernel equal to the bit to
     one finished by the reduce kernel; the gated SiLU-mul epilogue) and argmax_rows against torch."""
     from tidyrun.kernels.fused import silu_mul
-    from tidyrun.kernels.skinny import SkinnyConfig, argmax_rows, skinny_linear
+    from tidyrun.kernels.skinny import SkinnyConfig, argmax_logprob_rows, argmax_rows, skinny_linear
 
     g = torch.Generator().manual_seed(seed)
     to = dict(device=device, dtype=dtype)
@@ -197,3 +197,7 @@ def check_skinny(device, dtype, shapes, configs, seed=0):
     x[1, 5000] = x[1, 9000] = 100.0  # a tie: the first index wins, as in torch.argmax
     x[2] = 0.0
     assert argmax_rows(x.to(**to), block=512).tolist() == [x[0].to(dtype).argmax().item(), 5000, 0], "argmax_rows"
+    _, logprob = argmax_logprob_rows(x.to(**to), block=512)
+    ref = x.to(dtype).float()
+    ref = ref.max(-1).values - ref.logsumexp(-1)
+    assert (logprob.cpu() - ref).abs().max().item() <= 1e-5, "argmax_logprob_rows: logprob of the argmax"

@@ -185,3 +185,17 @@ def test_request_in_flight_keeps_the_params_it_was_submitted_with(llm):
     while llm.has_unfinished_requests():
         outputs += llm.step()
     assert [len(o.outputs[0].token_ids) for o in outputs if o.request_id == request_id] == [6]
+
+
+def test_greedy_logprobs_fast_path_equals_the_general_path(llm):
+    """logprobs=0 on greedy requests comes from the argmax pass itself; it equals the general computation."""
+    fast = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True),
+                        use_tqdm=False)
+    general = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True),
+                           use_tqdm=False)
+    for a, b in zip(fast, general):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids
+        for t, ea, eb in zip(ca.token_ids, ca.logprobs, cb.logprobs):
+            assert list(ea) == [t] and ea[t].rank == 1
+            assert abs(ea[t].logprob - eb[t].logprob) <= 1e-5

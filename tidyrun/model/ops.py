@@ -35,6 +35,12 @@ class TorchOps:
         """Each row's first largest index (int64 [rows])."""
         return logits.argmax(dim=-1)
 
+    def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's argmax and its log-probability (float32): a greedy step's token and logprob."""
+        x = logits.float()
+        at = logits.argmax(dim=-1)
+        return at, x.gather(-1, at[:, None])[:, 0] - x.logsumexp(dim=-1)
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
@@ -119,6 +125,9 @@ class TritonOps(TorchOps):
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._skinny.argmax_rows(logits)
+
+    def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._skinny.argmax_logprob_rows(logits)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

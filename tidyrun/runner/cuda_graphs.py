@@ -42,10 +42,12 @@ GraphKey = tuple[int, int]  # (sequences, query tokens per sequence)
 
 
 class GraphOutput(NamedTuple):
-    """What a graph leaves in its pool: final hidden states, or logits (model dtype) and each row's argmax."""
+    """What a graph leaves in its pool: final hidden states, or logits (model dtype), each row's argmax and
+    that token's log-probability (float32; a greedy step's logprobs come out of the graph with its tokens)."""
     hidden: torch.Tensor | None
     logits: torch.Tensor | None
     greedy: torch.Tensor | None
+    greedy_logprob: torch.Tensor | None
 
 
 class _Graphs(dict):
@@ -204,9 +206,9 @@ class CudaGraphManager:
             start = end
         hidden = model.final_norm(state)
         if key[0] * key[1] > self.LOGITS_MAX_ROWS:
-            return GraphOutput(hidden, None, None)
+            return GraphOutput(hidden, None, None, None)
         logits = model.logits(hidden)
-        return GraphOutput(None, logits, model.ops.argmax(logits))
+        return GraphOutput(None, logits, *model.ops.argmax_logprob(logits))
 
     def replay(self, key: GraphKey) -> GraphOutput:
         """Run the captured step ``key`` on what the step inputs hold now; its outputs (padded rows too)."""

@@ -69,9 +69,11 @@ def _name_tensor_pairs(items):
 
 
 class StepLogits(NamedTuple):
-    """A step's logits (model dtype) of the rows that sample, and their argmax when the CUDA graph took it."""
+    """A step's logits (model dtype) of the rows that sample, and their argmax and its log-probability when
+    the CUDA graph took them."""
     logits: torch.Tensor
     greedy: torch.Tensor | None
+    greedy_logprob: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -391,7 +393,7 @@ class ModelRunner:
         if inputs.graph is not None:  # every real row samples: one per sequence, plus one per draft
             out, rows = self.graphs.replay(inputs.graph), inputs.num_rows
             if out.logits is not None:
-                return StepLogits(out.logits[:rows], out.greedy[:rows])
+                return StepLogits(out.logits[:rows], out.greedy[:rows], out.greedy_logprob[:rows])
             hidden = out.hidden[:rows]
         else:
             hidden = self._forward(inputs)
@@ -415,15 +417,38 @@ class ModelRunner:
         step = self.forward_logits(host, self._graph_key(batch) if self.graphs is not None else None)
         if step is None:
             return StepOutput([], [])
-        logits, greedy = step
+        logits, greedy, greedy_logprob = step
         num_sampling = len(host.logits_indices) - sum(r.count for r in prompt_rows)
         prompt = self._prompt_logprobs(logits[num_sampling:], prompt_rows) if prompt_rows else []
         logits = logits[:num_sampling]
         if not seqs:
             return StepOutput([], prompt)
+        if self._greedy_logprobs_only(seqs):
+            return StepOutput(self._greedy_with_logprobs(logits, greedy, greedy_logprob, seqs), prompt)
         if any(s.needs_processing() for s in seqs):
             return StepOutput(self._sample_processed(logits, seqs), prompt)
         return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
+
+    def _greedy_logprobs_only(self, seqs: list[Sequence]) -> bool:
+        """The RL scoring case: every sequence greedy, one token, nothing but ``logprobs=0`` asked (raw mode)."""
+        if self.config.logprobs_mode != "raw_logprobs" or all(s.params.logprobs is None for s in seqs):
+            return False
+        for s in seqs:
+            p = s.params
+            if (not p.greedy or s.draft_tokens or p.processes_logits or p.logprobs not in (None, 0)
+                    or (s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids))):
+                return False
+        return True
+
+    def _greedy_with_logprobs(self, logits: torch.Tensor, greedy: torch.Tensor | None,
+                              greedy_logprob: torch.Tensor | None, seqs: list[Sequence]) -> list[SampledTokens]:
+        """Greedy tokens and their log-probabilities from one pass over the logits (inside the CUDA graph when
+        one ran): the argmax's rank is 1 by definition, so nothing else needs the vocabulary."""
+        if greedy is None or greedy_logprob is None:
+            greedy, greedy_logprob = self.ops.argmax_logprob(logits)
+        tokens, values = greedy.tolist(), greedy_logprob.tolist()
+        return [SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, 1, [], [])])
+                for s, t, v in zip(seqs, tokens, values)]
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor | None,
                 seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
@@ -471,7 +496,9 @@ class ModelRunner:
             if seq.draft_tokens:
                 out[i] = SampledTokens(seq, self._verify(logits[starts[i]:starts[i + 1]], seq))
         if plain:
-            rows = logits[torch.tensor([starts[i] for i in plain], device=logits.device)].float()
+            rows = logits if len(plain) == len(seqs) else logits[torch.tensor([starts[i] for i in plain],
+                                                                              device=logits.device)]
+            rows = rows.float()  # a copy when the logits are bf16; process_logits writes into it
             for i, (token, record) in zip(plain, self._sample_rows(rows, [seqs[i] for i in plain])):
                 out[i] = SampledTokens(seqs[i], [token], None if record is None else [record])
         return out
@@ -481,7 +508,13 @@ class ModelRunner:
         sequences that asked, its logprob record in this engine's ``logprobs_mode``."""
         mode = self.config.logprobs_mode
         lp = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw = logits[torch.tensor(lp, device=logits.device)] if lp and mode.startswith("raw") else None
+        every = len(lp) == len(seqs)
+        index = None if every else torch.tensor(lp, device=logits.device)
+        raw = None
+        if lp and mode.startswith("raw"):  # taken before processing changes the logits in place
+            untouched = not any(s.params.processes_logits or s.below_min_tokens() for s in seqs)
+            raw = logits if every and untouched else None
+            raw = (logits.clone() if every else logits[index]) if raw is None else raw
         process_logits(logits, seqs, self.eos_token_ids)
         tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         if not lp:
@@ -490,7 +523,7 @@ class ModelRunner:
             scores, lse = raw, (raw.logsumexp(-1) if mode == "raw_logprobs" else None)
         else:
             scores, lse = self._processed_scores(logits, [seqs[j] for j in lp], lp, mode), None
-        records = logprob_records(scores, tokens[torch.tensor(lp, device=tokens.device)],
+        records = logprob_records(scores, tokens if every else tokens[index],
                                   [seqs[j].params.logprobs for j in lp], lse)
         by_row = dict(zip(lp, records))
         return [(t, by_row.get(j)) for j, t in enumerate(tokens.tolist())]
