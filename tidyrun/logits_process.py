@@ -120,8 +120,8 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
         logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_tokens, device=dev)] = _NEG_INF
     if grammar_rows:
         bitmask = new_bitmask(len(grammar_rows), vocab)
-        for i, row in enumerate(grammar_rows):
-            seqs[row].grammar.fill_bitmask(bitmask, i)
+        states = [seqs[row].grammar for row in grammar_rows]
+        states[0].compiler.fill_bitmasks(states, bitmask)  # one engine, one compiler: all rows on its threads
         apply_bitmask(logits, bitmask, grammar_rows)
     if bias_rows:
         logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_tokens, device=dev)),

@@ -84,9 +84,10 @@ class GrammarState:
     Not thread-safe: one sequence's state is advanced by one thread at a time.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, layout: _MaskLayout) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, layout: _MaskLayout, compiler: GrammarCompiler) -> None:
         self._matcher = matcher
         self._layout = layout
+        self.compiler = compiler  # fills the masks of a whole step at once (``GrammarCompiler.fill_bitmasks``)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed at the next step into ``bitmask[row]`` (int32 [rows, ceil(vocab/32)], CPU).
@@ -217,7 +218,7 @@ class GrammarCompiler:
 
     def new_state(self, spec: StructuredOutputsParams) -> GrammarState:
         """A fresh state at the start of ``spec``'s grammar, for one sequence."""
-        return GrammarState(self.compile(spec).new_matcher(), self._layout)
+        return GrammarState(self.compile(spec).new_matcher(), self._layout, self)
 
     def fill_bitmasks(self, states: Sequence[GrammarState], bitmask: torch.Tensor,
                       rows: Sequence[int] | None = None) -> None:
