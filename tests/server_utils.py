@@ -70,3 +70,20 @@ class ServerProcess:
             _, err = self.proc.communicate()
             raise
         return self.proc.returncode, err
+
+
+def smol_server():
+    """A server on the default model (max_model_len 512, served as "smol") for one test module: it must stop
+    cleanly, without a traceback, and its shutdown must prove nothing survived."""
+    srv = ServerProcess("--max-model-len", "512", "--served-model-name", "smol")
+    yield srv
+    code, err = srv.stop()
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert "nothing survived" in err
+
+
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

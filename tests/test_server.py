@@ -13,25 +13,14 @@ import httpx
 import openai
 import pytest
 
-from server_utils import ServerProcess
+from server_utils import ServerProcess, openai_client, smol_server
 from tidyrun.synthetic import write_random_checkpoint
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--max-model-len", "512", "--served-model-name", "smol")
-    yield srv
-    code, err = srv.stop()
-    assert code == 0, err
-    assert "Traceback" not in err
-    assert "nothing survived" in err
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+server = pytest.fixture(scope="module")(smol_server)
+client = pytest.fixture(scope="module")(openai_client)
 
 
 @pytest.fixture(scope="module")
