@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
-from server_utils import ServerProcess, openai_client, smol_server
+from server_utils import openai_client, smol_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
