@@ -119,6 +119,8 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     ``masks``: the step's grammar masks started by ``start_grammar_masks`` over the same structured
     sequences in the same order (None: filled here, on this thread)."""
     dev, vocab = logits.device, logits.shape[-1]
+    # The helper thread must be done with the grammar states before this thread reads any of them.
+    bitmask = masks.wait() if masks is not None else None
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
     allowed_rows: list[int] = []
@@ -156,9 +158,9 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     if ban_rows:
         logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_tokens, device=dev)] = _NEG_INF
     if grammar_rows:
-        if masks is None:
-            masks = GrammarMasks([seqs[row] for row in grammar_rows], vocab)
-        apply_bitmask(logits, masks.wait(), grammar_rows)
+        if bitmask is None:
+            bitmask = GrammarMasks([seqs[row] for row in grammar_rows], vocab).wait()
+        apply_bitmask(logits, bitmask, grammar_rows)
     if bias_rows:
         logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_tokens, device=dev)),
                           torch.tensor(bias_values, device=dev, dtype=logits.dtype), accumulate=True)
