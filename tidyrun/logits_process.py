@@ -13,7 +13,6 @@ over the vocabulary in Python.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection, Sequence as Seq
 
 import torch
@@ -80,47 +79,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: Seq[Sequence]) 
     logits[index] = sub
 
 
-class GrammarMasks:
-    """The grammar masks of one step's structured sequences, filled on a helper thread while the forward pass
-    runs (llguidance releases the GIL): the mask of a row costs ~20-150 us of host time, which would otherwise
-    add to every step. Each sequence's mask depends only on tokens accepted in earlier steps, so it can be
-    computed before this step's logits exist. Host memory only; nothing to release."""
-
-    def __init__(self, seqs: Seq[Sequence], vocab: int) -> None:
-        self.states = [s.grammar for s in seqs if s.grammar is not None]
-        self.bitmask = new_bitmask(len(self.states), vocab)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._fill, name="tidyrun-grammar-masks", daemon=True)
-        self._thread.start()
-
-    def _fill(self) -> None:
-        try:
-            self.states[0].compiler.fill_bitmasks(self.states, self.bitmask)  # one engine, one compiler
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the stepping thread by ``wait``
-            self._error = exc
-
-    def wait(self) -> torch.Tensor:
-        """The filled bitmask, row i for the i-th structured sequence (in step order)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self.bitmask
-
-
-def start_grammar_masks(seqs: Seq[Sequence], vocab: int) -> GrammarMasks | None:
-    """Start filling the step's grammar masks, or None when no sequence of the step is structured."""
-    return GrammarMasks(seqs, vocab) if any(s.grammar is not None for s in seqs) else None
-
-
-def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Collection[int],
-                   masks: GrammarMasks | None = None) -> None:
-    """Apply every sequence's processing to its row of ``logits`` (float32 [len(seqs), vocab]), in place.
-
-    ``masks``: the step's grammar masks started by ``start_grammar_masks`` over the same structured
-    sequences in the same order (None: filled here, on this thread)."""
+def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Collection[int]) -> None:
+    """Apply every sequence's processing to its row of ``logits`` (float32 [len(seqs), vocab]), in place."""
     dev, vocab = logits.device, logits.shape[-1]
-    # The helper thread must be done with the grammar states before this thread reads any of them.
-    bitmask = masks.wait() if masks is not None else None
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
     allowed_rows: list[int] = []
@@ -158,8 +119,9 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     if ban_rows:
         logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_tokens, device=dev)] = _NEG_INF
     if grammar_rows:
-        if bitmask is None:
-            bitmask = GrammarMasks([seqs[row] for row in grammar_rows], vocab).wait()
+        bitmask = new_bitmask(len(grammar_rows), vocab)
+        states = [seqs[row].grammar for row in grammar_rows]
+        states[0].compiler.fill_bitmasks(states, bitmask)  # one engine, one compiler: all rows on its threads
         apply_bitmask(logits, bitmask, grammar_rows)
     if bias_rows:
         logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_tokens, device=dev)),

@@ -45,7 +45,7 @@ from ..model.ops import TorchOps, TritonOps
 from ..model.sharding import TPShard
 from ..report import ShutdownReport
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
-from ..logits_process import GrammarMasks, process_logits, start_grammar_masks, stop_token_bans
+from ..logits_process import process_logits, stop_token_bans
 from ..sampling import Sampler, logprob_records
 from ..scheduler import ScheduledBatch
 from ..sequence import PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
@@ -414,7 +414,6 @@ class ModelRunner:
         """
         self.check_awake()
         host, seqs, prompt_rows = host_batch(batch, self.block_size)
-        masks = start_grammar_masks(seqs, self.model_config.vocab_size)  # filled while the forward runs
         step = self.forward_logits(host, self._graph_key(batch) if self.graphs is not None else None)
         if step is None:
             return StepOutput([], [])
@@ -427,7 +426,7 @@ class ModelRunner:
         if self._greedy_logprobs_only(seqs):
             return StepOutput(self._greedy_with_logprobs(logits, greedy, greedy_logprob, seqs), prompt)
         if any(s.needs_processing() for s in seqs):
-            return StepOutput(self._sample_processed(logits, seqs, masks), prompt)
+            return StepOutput(self._sample_processed(logits, seqs), prompt)
         return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
 
     def _greedy_logprobs_only(self, seqs: list[Sequence]) -> bool:
@@ -487,8 +486,7 @@ class ModelRunner:
             return accept_greedy(seq.draft_tokens, self.ops.argmax(logits).tolist())
         return verify_drafts(self.sampler, logits.float(), seq.draft_tokens, seq.params, seq.generator)
 
-    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence],
-                          masks: GrammarMasks | None) -> list[SampledTokens]:
+    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
         """A step with sequences that ask for logprobs or logits processing (they never speculate; others
         in the same step may): those are sampled together, one row each, in a few batched operations."""
         starts = list(itertools.accumulate((1 + len(s.draft_tokens) for s in seqs), initial=0))
@@ -501,12 +499,11 @@ class ModelRunner:
             rows = logits if len(plain) == len(seqs) else logits[torch.tensor([starts[i] for i in plain],
                                                                               device=logits.device)]
             rows = rows.float()  # a copy when the logits are bf16; process_logits writes into it
-            for i, (token, record) in zip(plain, self._sample_rows(rows, [seqs[i] for i in plain], masks)):
+            for i, (token, record) in zip(plain, self._sample_rows(rows, [seqs[i] for i in plain])):
                 out[i] = SampledTokens(seqs[i], [token], None if record is None else [record])
         return out
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
-                     masks: GrammarMasks | None) -> list[tuple[int, TokenLogprob | None]]:
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """One token per row of ``logits`` (float32, one row per sequence, modified in place) and, for the
         sequences that asked, its logprob record in this engine's ``logprobs_mode``."""
         mode = self.config.logprobs_mode
@@ -518,7 +515,7 @@ class ModelRunner:
             untouched = not any(s.params.processes_logits or s.below_min_tokens() for s in seqs)
             raw = logits if every and untouched else None
             raw = (logits.clone() if every else logits[index]) if raw is None else raw
-        process_logits(logits, seqs, self.eos_token_ids, masks)
+        process_logits(logits, seqs, self.eos_token_ids)
         tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         if not lp:
             return [(t, None) for t in tokens.tolist()]
