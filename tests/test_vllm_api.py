@@ -405,3 +405,27 @@ def test_new_methods_after_shutdown(tiny_llama_dir):
     gc.collect()
     with pytest.raises(EngineShutdownError, match="is gone"):  # the path kept nothing alive
         path.load_weights([])
+
+
+def test_use_tqdm_takes_a_progress_bar_factory(llm):
+    """vLLM's ``use_tqdm`` may be a callable used in tqdm's place (with tqdm's keyword arguments)."""
+    from tidyrun import SamplingParams
+
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            self.n = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, k):
+            self.n += k
+
+    out = llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=Bar)
+    assert len(out) == 2 and made and made[0]["total"] == 2

@@ -566,14 +566,19 @@ class LLM:
             raise
         return self._run_until_done(ids, use_tqdm)
 
-    def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_until_done(self, ids: list[str], use_tqdm) -> list[RequestOutput]:
+        """Step until the requests ``ids`` finish. ``use_tqdm``: True (a tqdm bar, which tqdm's TQDM_*
+        environment settings such as TQDM_DISABLE=1 still govern, as in vLLM), False, or a callable
+        used in tqdm's place (vLLM accepts one)."""
         from tqdm.auto import tqdm
 
         results: dict[str, RequestOutput] = {}
         others: list[RequestOutput] = []  # requests queued by add_request(): keep theirs for step()
         wanted = set(ids)
+        bar_type = use_tqdm if callable(use_tqdm) else tqdm
+        bar_options = {} if use_tqdm else {"disable": True}
         try:
-            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            with bar_type(total=len(ids), desc="Processed prompts", unit="req", **bar_options) as bar:
                 while wanted - results.keys():
                     for out in self.step():
                         if out.request_id in wanted:
