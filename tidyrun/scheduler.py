@@ -149,7 +149,7 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         # Logprobs and logits processing are per sampled token: such sequences decode one token a step.
-        if seq.below_min_tokens() or seq.needs_processing():
+        if seq.below_min_tokens() or seq.needs_processing:
             return []
         p = seq.params
         limit = budget - 1

@@ -92,6 +92,10 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.grammar = grammar  # structured outputs: where this sequence is in its grammar (host state)
+        # Whether its logits need more than temperature/top-k/top-p/min-p and a min_tokens stop-token ban
+        # (penalties, bias, masks, structured outputs) or logprobs: such sequences never speculate and take
+        # the runner's general sampling path. Decided once: the runner checks it for every sequence every step.
+        self.needs_processing = params.processes_logits or params.logprobs is not None
 
     @property
     def text(self) -> str:
@@ -160,13 +164,6 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
-
-    def needs_processing(self) -> bool:
-        """Whether this sequence's logits need more than temperature/top-k/top-p/min-p and a min_tokens
-        stop-token ban (penalties, bias, masks, structured outputs) or logprobs: such sequences never
-        speculate and take the runner's general sampling path."""
-        p = self.params
-        return p.processes_logits or p.logprobs is not None
 
     def record_prompt_logprobs(self, first: int, records: list[TokenLogprob]) -> None:
         """Logprob records of prompt tokens ``first``, ``first + 1``, ... (a prefill chunk's)."""

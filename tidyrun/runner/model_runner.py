@@ -425,7 +425,7 @@ class ModelRunner:
             return StepOutput([], prompt)
         if self._greedy_logprobs_only(seqs):
             return StepOutput(self._greedy_with_logprobs(logits, greedy, greedy_logprob, seqs), prompt)
-        if any(s.needs_processing() for s in seqs):
+        if any(s.needs_processing for s in seqs):
             return StepOutput(self._sample_processed(logits, seqs), prompt)
         return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
 
