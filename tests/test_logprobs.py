@@ -79,6 +79,16 @@ def test_processed_logprobs_are_the_distribution_sampled_from(default_model, hf_
     with LLM(default_model, device="cpu", dtype="float32", max_model_len=256,
              logprobs_mode="processed_logprobs") as engine:
         out = engine.generate(PROMPTS[0], params, use_tqdm=False)[0]
+        # At a low temperature most probabilities underflow to 0: the top-k must still be the real next tokens.
+        cold = engine.generate(PROMPTS[0], SamplingParams(temperature=0.01, seed=0, max_tokens=1, logprobs=5),
+                               use_tqdm=False)[0]
+    entry = cold.outputs[0].logprobs[0]
+    with torch.no_grad():
+        first = hf_default_model(torch.tensor([cold.prompt_token_ids])).logits[0, -1].float()
+    ref = (first / 0.01).log_softmax(-1)
+    assert set(entry) >= set(ref.topk(5).indices.tolist())
+    for tid, lp in entry.items():
+        assert math.isfinite(lp.logprob) and abs(lp.logprob - ref[tid].item()) <= 1e-2 * max(1.0, abs(ref[tid].item()))
     prompt, comp = out.prompt_token_ids, out.outputs[0]
     ids = prompt + comp.token_ids
     with torch.no_grad():
@@ -170,6 +180,8 @@ def test_params_are_mutable_and_checked_at_submission(llm):
         SamplingParams(n=2, best_of=3)
     with pytest.raises(InvalidRequestError, match="max_logprobs"):
         llm.generate(PROMPTS[0], SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="max_logprobs"):  # -1 is the whole vocabulary, as in vLLM
+        llm.generate(PROMPTS[0], SamplingParams(prompt_logprobs=-1), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="repetition_penalty"):
@@ -199,3 +211,16 @@ def test_greedy_logprobs_fast_path_equals_the_general_path(llm):
         for t, ea, eb in zip(ca.token_ids, ca.logprobs, cb.logprobs):
             assert list(ea) == [t] and ea[t].rank == 1
             assert abs(ea[t].logprob - eb[t].logprob) <= 1e-5
+
+
+def test_ignore_eos_keeps_a_structured_sequence_going(llm):
+    """EOS would end a structured sequence; with ignore_eos (and min_tokens) it continues to max_tokens."""
+    import re
+
+    from tidyrun import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=5, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="(ab)+"))
+    out = llm.generate("Repeat ab:", params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    assert re.fullmatch(r"(ab)*a?", out.text), out.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tidyrun.kv_cache import BlockPool
 from tidyrun.sampling_params import SamplingParams
 from tidyrun.scheduler import Scheduler
-from tidyrun.sequence import Sequence
+from tidyrun.sequence import SampledTokens, Sequence, StepOutput
 from tidyrun.tokenizer import Tokenizer
 
 EOS = 2
@@ -23,6 +23,10 @@ class LetterTokenizer:
 
 TOKENIZER = Tokenizer(LetterTokenizer())
 
+
+def output(sampled: list[tuple[Sequence, list[int]]]) -> StepOutput:
+    """A runner step's output: these sequences' new tokens, no logprobs."""
+    return StepOutput([SampledTokens(seq, tokens) for seq, tokens in sampled], [])
 
 def make_scheduler(propose=None, max_num_batched_tokens: int = 64) -> Scheduler:
     return Scheduler(BlockPool(32), BLOCK, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
@@ -47,7 +51,7 @@ def test_update_from_output_finishes_on_eos_stop_and_max_tokens():
     def step(tokens: list[int]) -> set[str]:  # one sampled token per sequence, in ``seqs`` order
         batch = s.schedule()
         token_of = {q.seq_id: t for q, t in zip(seqs, tokens)}
-        return s.update_from_output(batch, [(q, [token_of[q.seq_id]]) for q in batch.seqs], {EOS}, 64)
+        return s.update_from_output(batch, output([(q, [token_of[q.seq_id]]) for q in batch.seqs]), {EOS}, 64)
 
     assert step([20, 20, 3, 20, 3]) == set()  # every prompt prefills
     assert [q.num_computed_tokens for q in seqs] == [5, 2, 2, 2, 3]
@@ -68,7 +72,7 @@ def test_update_from_output_finishes_at_max_model_len():
     s = make_scheduler()
     seq = make_seq(s, 0, [5, 6, 7], max_tokens=None)
     for token in (20, 21):
-        s.update_from_output(s.schedule(), [(seq, [token])], {EOS}, max_model_len=5)
+        s.update_from_output(s.schedule(), output([(seq, [token])]), {EOS}, max_model_len=5)
     assert seq.finish_reason == "length" and seq.num_tokens == 5 and not s.running
 
 
@@ -77,18 +81,18 @@ def test_a_prefill_chunk_only_advances():
     seq = make_seq(s, 0, list(range(10, 20)))
     batch = s.schedule()
     assert batch.num_new_tokens == [4]
-    assert s.update_from_output(batch, [], {EOS}, 64) == set()
+    assert s.update_from_output(batch, output([]), {EOS}, 64) == set()
     assert seq.num_computed_tokens == 4 and seq.output_token_ids == [] and seq.num_registered_blocks == 1
 
 
 def test_update_from_output_counts_speculation():
     s = make_scheduler(propose=lambda seq, limit: [30, 31, 32][:limit])
     seq = make_seq(s, 0, [5, 6, 7], max_tokens=20)
-    s.update_from_output(s.schedule(), [(seq, [30])], {EOS}, 64)  # prefill: no drafts yet
+    s.update_from_output(s.schedule(), output([(seq, [30])]), {EOS}, 64)  # prefill: no drafts yet
 
     batch = s.schedule()
     assert seq.draft_tokens == [30, 31, 32] and batch.num_new_tokens == [4]
-    s.update_from_output(batch, [(seq, [30, 31, 9])], {EOS}, 64)  # two drafts accepted, then the model's own
+    s.update_from_output(batch, output([(seq, [30, 31, 9])]), {EOS}, 64)  # two drafts accepted, then the model's own
 
     assert (s.num_spec_draft_tokens, s.num_spec_accepted_tokens) == (3, 2)
     assert seq.output_token_ids == [30, 30, 31, 9] and seq.draft_tokens == []

@@ -429,3 +429,16 @@ def test_use_tqdm_takes_a_progress_bar_factory(llm):
 
     out = llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=Bar)
     assert len(out) == 2 and made and made[0]["total"] == 2
+
+
+def test_get_metrics_reports_prefix_cache_hits_by_vllms_names(llm):
+    from tidyrun import SamplingParams
+
+    before = {m.name: m.value for m in llm.get_metrics()}
+    prefix = "You are a helpful assistant. " * 12
+    llm.generate([prefix + "One.", prefix + "Two."], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate([prefix + "Three."], SamplingParams(max_tokens=1), use_tqdm=False)
+    after = {m.name: m.value for m in llm.get_metrics()}
+    assert after["vllm:prefix_cache_queries"] > before["vllm:prefix_cache_queries"]
+    assert after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"] >= 48  # the shared prefix's blocks
+    assert after["vllm:num_requests_running"] == 0 and 0 <= after["vllm:kv_cache_usage_perc"] <= 1

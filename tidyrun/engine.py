@@ -33,6 +33,7 @@ from .kv_cache import BlockPool
 from .llm_engine import WeightSyncPath
 from .loader import generation_defaults, open_engine_source, open_engine_tokenizer
 from .logprobs import prompt_logprobs, sample_logprobs
+from .metrics_reader import Metric, metrics_from_stats
 from .outputs import CompletionOutput, RequestOutput
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
@@ -527,6 +528,11 @@ class LLM:
             "sleeping": bool(self.runner.sleeping),
             "device_memory_bytes": self.runner.ledger.bytes_by_owner(),
         }
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's ``get_metrics()``: counters and gauges by their ``vllm:`` names (prefix-cache queries and
+        hits in tokens, queue sizes, preemptions, speculation, KV-cache usage), read now."""
+        return metrics_from_stats(self.stats(), self.config.model or "default")
 
     def _decode_token(self, token_id: int) -> str:
         """One token's text, as a logprob entry shows it (special tokens included, as in vLLM)."""

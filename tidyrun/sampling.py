@@ -35,8 +35,15 @@ class Sampler:
         probs, order = self._sorted_filtered(logits, params)
         return torch.zeros_like(probs).scatter_(-1, order, probs)
 
+    def filtered_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The temperature-scaled logits [rows, vocab] each (non-greedy) row samples from: -inf where top-k,
+        top-p or min-p removed a token. Their softmax is ``probabilities``; unlike the probabilities, they
+        keep every surviving token's value however unlikely (no underflow to 0)."""
+        probs, order, scaled = self._sorted_filtered(logits, params, keep_logits=True)
+        return torch.full_like(scaled, float("-inf")).scatter_(-1, order, scaled)
+
     @staticmethod
-    def _sorted_filtered(sub: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sorted_filtered(sub: torch.Tensor, params: Sequence[SamplingParams], keep_logits: bool = False):
         dev = sub.device
         temps = torch.tensor([p.temperature for p in params], device=dev, dtype=sub.dtype)
         sorted_logits, order = (sub / temps[:, None]).sort(dim=-1, descending=True)
@@ -45,11 +52,15 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
         top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        sorted_logits = sorted_logits.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], float("-inf"))
+        # Drop a token when the mass before it already reaches top_p (the first token always stays). Rows with
+        # top_p = 1 keep everything: their cumulative sum can round to 1 before the tail.
+        drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
         sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+        if keep_logits:
+            return sorted_logits.softmax(dim=-1), order, sorted_logits
         return sorted_logits.softmax(dim=-1), order
 
 

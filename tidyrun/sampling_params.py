@@ -260,12 +260,13 @@ class SamplingParams:
         params.validate()
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
-            if v == -1:
-                setattr(params, name, vocab_size)
-            elif v is not None and max_logprobs != -1 and v > max_logprobs:
+            if v == -1:  # the whole vocabulary, which max_logprobs then has to allow (as in vLLM)
+                v = vocab_size
+                setattr(params, name, v)
+            if v is not None and max_logprobs != -1 and v > max_logprobs:
                 raise _bad(f"{name}={v} exceeds this engine's max_logprobs ({max_logprobs}); "
-                           "raise it with LLM(max_logprobs=...)")
-            elif v is not None and v > vocab_size:
+                           "raise it with LLM(max_logprobs=...) (-1: no limit)")
+            if v is not None and v > vocab_size:
                 raise _bad(f"{name}={v} exceeds the vocabulary size ({vocab_size})")
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size ({vocab_size})")

@@ -182,6 +182,9 @@ class Scheduler:
                 self.num_spec_accepted_tokens += accepted
                 seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
             if seq.is_finished:
+                # Its computed blocks stay reusable after it frees them: a prompt that finishes in the step
+                # that computed it (max_tokens=1, scoring) still warms the prefix cache for the next request.
+                self.register_computed_blocks(seq)
                 self.finish(seq)
                 finished.add(seq.request_id)
         for seq in batch.seqs:

@@ -228,9 +228,3 @@ def argmax_logprob_rows(x: torch.Tensor, block: int = 4096) -> tuple[torch.Tenso
 def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """Index of each row's largest value, int64 [M] (see ``argmax_logprob_rows``)."""
     return argmax_logprob_rows(x, block)[0]
-    slices = triton.cdiv(vocab, block)
-    vals = torch.empty(rows, slices, dtype=torch.float32, device=x.device)
-    idx = torch.empty(rows, slices, dtype=torch.int32, device=x.device)
-    _argmax_slices_kernel[(rows, slices)](x, vals, idx, vocab, x.stride(0), slices, BLOCK=block, num_warps=8)
-    _argmax_final_kernel[(rows,)](vals, idx, out, slices, BLOCK=max(16, triton.next_power_of_2(slices)))
-    return out

@@ -538,25 +538,20 @@ class ModelRunner:
         sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
-            params = [seqs[j].params for j in sampled]
-            probs = self.sampler.probabilities(sub[index], params)
-            if mode == "processed_logprobs":
-                scores[index] = probs.log()
-            else:
-                temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=sub.dtype)
-                scores[index] = (sub[index] / temps[:, None]).masked_fill(probs == 0, float("-inf"))
+            filtered = self.sampler.filtered_logits(sub[index], [seqs[j].params for j in sampled])
+            scores[index] = filtered.log_softmax(-1) if mode == "processed_logprobs" else filtered
         return scores
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[PromptRows]) -> list[PromptLogprobRecords]:
-        """Records of prompt tokens from the rows predicting them (raw log-probabilities, or raw logits in a
-        "*_logits" mode: prompt tokens are never processed)."""
+        """Records of prompt tokens from the rows predicting them: the model's own log-probabilities, whatever
+        ``logprobs_mode`` says (as in vLLM, the mode applies to sampled tokens; prompt tokens are never
+        processed)."""
         logits = logits.float()
         targets, ks = [], []
         for r in prompt_rows:
             targets += r.seq.token_ids[r.first:r.first + r.count]
             ks += [r.seq.params.prompt_logprobs] * r.count
-        lse = logits.logsumexp(-1) if self.config.logprobs_mode.endswith("logprobs") else None
-        records = logprob_records(logits, torch.tensor(targets, device=logits.device), ks, lse)
+        records = logprob_records(logits, torch.tensor(targets, device=logits.device), ks, logits.logsumexp(-1))
         out, at = [], 0
         for r in prompt_rows:
             out.append(PromptLogprobRecords(r.seq, r.first, records[at:at + r.count]))
