@@ -52,19 +52,37 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    # Logprob dicts already built, by sequence index, and the prompt's once complete: a stream asks for the
+    # output after every step, and rebuilding (and decoding) every entry each time would be quadratic.
+    _sample_dicts: dict[int, list] = field(default_factory=dict)
+    _prompt_dicts: list | None = None
 
     def output(self, decode) -> RequestOutput:
         """The request's output so far; ``decode(token id)`` gives a logprob entry's text."""
-        params = self.seqs[0].params
-        decode = decode if params.detokenize else _no_text
+        decode = decode if self.seqs[0].params.detokenize else _no_text
         outs = [CompletionOutput(s.index, s.text, s.output_token_ids,
                                  s.cumulative_logprob if s.logprobs is not None else None,
-                                 sample_logprobs(s.logprobs, decode) if s.logprobs is not None else None,
-                                 s.finish_reason, s.stop_reason) for s in self.seqs]
-        first = self.seqs[0]
-        prompt = prompt_logprobs(first.prompt_logprobs, decode) if first.prompt_logprobs is not None else None
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), prompt, outs,
-                             self.num_cached_tokens)
+                                 self._logprob_dicts(s, decode), s.finish_reason, s.stop_reason) for s in self.seqs]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
+                             self._prompt_logprob_dicts(decode), outs, self.num_cached_tokens)
+
+    def _logprob_dicts(self, seq: Sequence, decode) -> list | None:
+        if seq.logprobs is None:
+            return None
+        built = self._sample_dicts.setdefault(seq.index, [])
+        built += sample_logprobs(seq.logprobs[len(built):], decode)
+        return list(built)
+
+    def _prompt_logprob_dicts(self, decode) -> list | None:
+        records = self.seqs[0].prompt_logprobs  # every sample has the same prompt: the first one's
+        if records is None:
+            return None
+        if self._prompt_dicts is not None:
+            return list(self._prompt_dicts)
+        dicts = prompt_logprobs(records, decode)
+        if all(r is not None for r in records[1:]):  # complete: never changes again
+            self._prompt_dicts = dicts
+        return list(dicts)
 
     @property
     def num_cached_tokens(self) -> int:
