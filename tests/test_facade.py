@@ -71,4 +71,4 @@ def test_intake_checks_a_whole_generate_call():
     with pytest.raises(InvalidRequestError, match="2 sampling params for 1 prompts"):
         INTAKE.requests(["ab"], [SamplingParams(), SamplingParams()])
     with pytest.raises(InvalidRequestError, match="n=1 only"):
-        INTAKE.stream_params(SamplingParams(n=2))
+        INTAKE.stream_request("ab", SamplingParams(n=2))

@@ -639,8 +639,11 @@ class LLM:
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (n must be 1)."""
-        params = self._intake.stream_params(sampling_params)
-        request_id = self.add_request(prompt, params)
+        self._check_alive()
+        self.runner.check_awake()
+        # Checked once: add_request() would check (and copy) the params again.
+        tokenized, params = self._intake.stream_request(prompt, sampling_params)
+        request_id = self._enqueue(tokenized, params)
         seq = self._requests[request_id].seqs[0]
         sent = 0
         others: list[RequestOutput] = []  # requests queued by add_request(): keep theirs for step()

@@ -103,12 +103,12 @@ class RequestIntake:
     def _encode_word(self, word: str) -> list[int]:
         return self.tokenizer.encode(word, add_special_tokens=False)
 
-    def stream_params(self, params: SamplingParams | None) -> SamplingParams:
-        """Params of a streamed request: one completion only."""
-        params = self.params(params)
+    def stream_request(self, prompt: PromptType, params: SamplingParams | None) -> tuple[Prompt, SamplingParams]:
+        """A streamed request, checked like any other: one completion only."""
+        prompt, params = self.request(prompt, params)
         if params.n != 1:
             raise InvalidRequestError("stream() supports n=1 only")
-        return params
+        return prompt, params
 
     def request(self, prompt: PromptType, params: SamplingParams | None) -> tuple[Prompt, SamplingParams]:
         params = self.params(params)

@@ -304,10 +304,6 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
-    def all_stop_token_ids(self) -> set[int]:
-        return set(self.stop_token_ids or ())
-
-    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
