@@ -257,6 +257,26 @@ def test_fill_bitmasks_matches_one_by_one(compiler, tokenizer):
     assert (together[3] == -1).all() and (together[1] == 12345).all()
 
 
+def test_sequences_of_one_grammar_spread_over_independent_templates(source, tokenizer):
+    """Sequences of one grammar are dealt over separately built templates (so llguidance can fill their
+    masks in parallel) and every lane gives the same masks after the same tokens."""
+    lanes = 3
+    compiler = GrammarCompiler(tokenizer, source.config.vocab_size, frozenset(source.config.eos_token_ids), lanes)
+    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    states = [compiler.new_state(spec) for _ in range(lanes + 2)]
+    compiled = compiler.compile(spec)
+    assert len(compiled._templates) == lanes
+    for state in states:
+        for token in tokenizer.encode('{"name":"Bo', add_special_tokens=False):
+            assert state.accept(token)
+    masks = new_bitmask(len(states), compiler.vocab_size, allow_all=False)
+    compiler.fill_bitmasks(states, masks)
+    assert (masks == masks[0]).all()
+    one = new_bitmask(1, compiler.vocab_size)
+    states[0].fill_bitmask(one, 0)
+    assert torch.equal(one[0], masks[0]) and not (one == -1).all()
+
+
 INVALID = [
     (StructuredOutputsParams(json="{not json"), "not valid JSON"),
     (StructuredOutputsParams(json="[1, 2]"), "must be a JSON object"),

@@ -121,7 +121,7 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     if ban_rows:
         logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_tokens, device=dev)] = _NEG_INF
     if grammar_rows:
-        bitmask = new_bitmask(len(grammar_rows), vocab)
+        bitmask = new_bitmask(len(grammar_rows), vocab, allow_all=False)  # fill_bitmasks writes every row
         states = [seqs[row].grammar for row in grammar_rows]
         states[0].compiler.fill_bitmasks(states, bitmask)  # one engine, one compiler: all rows on its threads
         apply_bitmask(logits, bitmask, grammar_rows)

@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 
 import llguidance
@@ -67,15 +68,36 @@ def _invalid(kind: str, detail: str) -> InvalidRequestError:
 
 
 class CompiledGrammar:
-    """One checked grammar: an unadvanced matcher that sequences copy (copying is ~100x cheaper than building)."""
+    """One checked grammar and the unadvanced matchers that sequences copy (copying is ~100x cheaper than
+    building).
 
-    def __init__(self, kind: str, grammar: str, template: llguidance.LLMatcher) -> None:
+    Why several templates (``lanes``): an llguidance matcher shares its lexer, behind one lock, with every
+    deep copy made from it, so the masks of sequences copied from one template are computed one at a
+    time however many threads fill them. Measured on the H200 host (16 cores, llguidance's pool of 12
+    threads), 64 sequences under one JSON schema took 7.2 ms a step to fill, ~110 us a row: no faster
+    than one thread. Sequences are dealt round-robin over ``lanes`` independently built templates
+    (built on first use, ~0.7 ms each for a 3-field schema), so up to ``lanes`` masks are computed at
+    once; on 2 cores, 64 sequences from two lanes filled in 139 us a row against 213 us from one.
+    """
+
+    def __init__(self, kind: str, grammar: str, template: llguidance.LLMatcher,
+                 build: Callable[[], llguidance.LLMatcher] | None = None, lanes: int = 1) -> None:
         self.kind = kind
         self.grammar = grammar  # llguidance's serialized grammar (useful in error reports)
-        self._template = template
+        self._templates = [template]
+        self._build = build
+        self._lanes = max(1, lanes) if build is not None else 1
+        self._next = 0
+        self._lock = threading.Lock()
 
     def new_matcher(self) -> llguidance.LLMatcher:
-        return self._template.deep_copy()
+        with self._lock:
+            lane = self._next % self._lanes
+            self._next += 1
+            if lane == len(self._templates):
+                self._templates.append(self._build())
+            template = self._templates[lane]
+        return template.deep_copy()
 
 
 class GrammarState:
@@ -179,7 +201,9 @@ class GrammarCompiler:
     ``compile`` / ``new_state`` may be called from several threads.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], threads: int | None = None) -> None:
+        """``threads``: llguidance's pool size for ``fill_bitmasks`` (None: its own default, 80% of the usable
+        cores, at most 32); every grammar is built this many times, one template lane per thread."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self._hf_tokenizer = tokenizer.hf_tokenizer
@@ -192,6 +216,9 @@ class GrammarCompiler:
         self._layout = _MaskLayout(self.vocab_size, max(self.vocab_size, self._tokenizer_len))
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self._threads = threads if threads is not None else max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
+        if self._threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -241,7 +268,7 @@ class GrammarCompiler:
             return
         with self._lock:
             if self._executor is None:
-                self._executor = llguidance.LLExecutor()
+                self._executor = llguidance.LLExecutor(num_threads=self._threads)
             executor = self._executor
         executor.unsafe_compute_mask_ptr([(s.matcher, r) for s, r in zip(states, rows)], bitmask.data_ptr(),
                                          self._layout.words * 4, bitmask.shape[0])
@@ -252,10 +279,12 @@ class GrammarCompiler:
     def _build(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         kind = spec.kind
         grammar = _grammar_text(spec)
-        matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+        tokenizer = self._llguidance_tokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise _invalid(_KIND_NAMES.get(kind, kind), matcher.get_error())
-        return CompiledGrammar(kind, grammar, matcher)
+        return CompiledGrammar(kind, grammar, matcher, lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0),
+                               self._threads)
 
     def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -354,15 +383,17 @@ def _cache_key(spec: StructuredOutputsParams) -> tuple:
 # -- the mask on the logits ---------------------------------------------------------------
 
 
-def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """A host int32 bitmask [rows, ceil(vocab_size / 32)] with every token allowed.
+def new_bitmask(rows: int, vocab_size: int, allow_all: bool = True) -> torch.Tensor:
+    """A host int32 bitmask [rows, ceil(vocab_size / 32)] with every token allowed (``allow_all=False``:
+    uninitialised, for a caller that fills every row, which saves a fill of the whole buffer each step).
 
     Plain (pageable) memory: ``apply_bitmask``'s copy to the device has left
     the buffer when it returns, so the host may refill it for the next step.
     """
     if rows < 0 or vocab_size < 1:
         raise ValueError(f"need rows >= 0 and vocab_size >= 1, got {rows}, {vocab_size}")
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    shape = (rows, (vocab_size + 31) // 32)
+    return torch.full(shape, -1, dtype=torch.int32) if allow_all else torch.empty(shape, dtype=torch.int32)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
