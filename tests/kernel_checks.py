@@ -201,3 +201,31 @@ def check_skinny(device, dtype, shapes, configs, seed=0):
     ref = x.to(dtype).float()
     ref = ref.max(-1).values - ref.logsumexp(-1)
     assert (logprob.cpu() - ref).abs().max().item() <= 1e-5, "argmax_logprob_rows: logprob of the argmax"
+
+
+def check_race(device, dtype, shapes=((1, 10000), (5, 4097), (3, 700)), block=512, seed=0):
+    """race_sample (Triton) against the torch reference on the same noise: the same tokens (greedy rows the
+    argmax, a tie to the first index), the same log-probabilities (1e-4) and ranks; rows of -inf (masked
+    tokens) are never drawn; a strided view of the logits reads right; without logprobs the same tokens."""
+    from tidyrun.kernels.race import race_sample
+    from tidyrun.sampling import race_sample as reference
+
+    g = torch.Generator().manual_seed(seed)
+    for rows, vocab in shapes:
+        wide = torch.randn(rows, vocab + 3, generator=g) * 3
+        wide[0, 7] = wide[0, vocab - 1] = 100.0  # a tie in the greedy row
+        if rows > 2:
+            wide[2, : vocab // 2] = float("-inf")  # half the vocabulary masked (a grammar)
+        x = wide.to(device=device, dtype=dtype)[:, :vocab]  # row stride != vocab
+        noise = torch.empty(rows, vocab).exponential_(generator=g).to(device)
+        scale = torch.tensor([[1.0, 0.0]] + [[1.0 / (0.5 + r), 1.0] for r in range(1, rows)]).to(device)
+        tokens, packed = race_sample(x, noise, scale, True, block=block)
+        ref_tokens, ref_packed = reference(x, noise, scale, True)
+        assert tokens.tolist() == ref_tokens.tolist(), f"race tokens {rows}x{vocab}"
+        assert tokens[0].item() == 7, "greedy row: the first of two equal maxima"
+        assert (packed[:, 0] == tokens.double()).all() and torch.equal(packed[:, 2].cpu(), ref_packed[:, 2].cpu())
+        assert (packed[:, 1] - ref_packed[:, 1]).abs().max().item() <= 1e-4, f"race logprob {rows}x{vocab}"
+        if rows > 2:
+            assert tokens[2].item() >= vocab // 2, "a masked token was drawn"
+        again, none = race_sample(x, noise, scale, False, block=block)
+        assert none is None and torch.equal(again, tokens), "race without logprobs"

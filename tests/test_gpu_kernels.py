@@ -49,3 +49,11 @@ def test_skinny_matmul_and_argmax_match_torch():
     """bf16 only: the runner sends float32 products to cuBLAS."""
     shapes = kc.SKINNY_SHAPES + ((1, 2048, 2048), (16, 3072, 2048), (4, 2048, 8192), (2, 49152, 576))
     kc.check_skinny("cuda", torch.bfloat16, shapes, [(16, 128, 1, 3), (64, 128, 8, 3), (32, 512, 2, 4)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_race_sampling_kernel_matches_torch(dtype):
+    """The sampling race: same tokens, logprobs and ranks as the torch reference on the same noise, at the
+    vocabulary widths of Llama 3 (128256) and SmolLM2 (49152), with the runner's slice width."""
+    kc.check_race("cuda", dtype, shapes=((1, 128256), (64, 49152), (3, 700)), block=4096)
+    kc.check_race("cuda", dtype, block=512)

@@ -213,6 +213,29 @@ def test_greedy_logprobs_fast_path_equals_the_general_path(llm):
             assert abs(ea[t].logprob - eb[t].logprob) <= 1e-5
 
 
+def test_sampled_logprobs_fast_path_equals_the_general_path(llm, hf_default_model):
+    """logprobs=0 on sampled requests without top-k/p (TRL's rollouts) comes from the sampling race itself:
+    the same tokens as without logprobs and as in a step that processes logits for another request, the
+    same log-probabilities and ranks, and those are the model's own."""
+    rollout = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=8, logprobs=0, ignore_eos=True)
+    silent = rollout.clone()
+    silent.logprobs = None
+    penalised = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=8, ignore_eos=True)
+    fast = llm.generate(PROMPTS[0], rollout, use_tqdm=False)[0]
+    plain = llm.generate(PROMPTS[0], silent, use_tqdm=False)[0]
+    general = llm.generate(PROMPTS, [rollout, penalised], use_tqdm=False)[0]
+    for cf, cp, cg in zip(fast.outputs, plain.outputs, general.outputs):
+        assert cf.token_ids == cp.token_ids == cg.token_ids
+        assert cp.logprobs is None
+        ref = ref_logprobs(hf_default_model, fast.prompt_token_ids + cf.token_ids)
+        for t, (token, ef, eg) in enumerate(zip(cf.token_ids, cf.logprobs, cg.logprobs)):
+            assert list(ef) == [token] and ef[token].rank == eg[token].rank
+            assert abs(ef[token].logprob - eg[token].logprob) <= 1e-5
+            row = ref[len(fast.prompt_token_ids) - 1 + t]
+            assert abs(ef[token].logprob - row[token].item()) <= TOL
+            assert ef[token].rank == int((row > row[token]).sum()) + 1
+
+
 def test_ignore_eos_keeps_a_structured_sequence_going(llm):
     """EOS would end a structured sequence; with ignore_eos (and min_tokens) it continues to max_tokens."""
     import re

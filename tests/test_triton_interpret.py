@@ -21,6 +21,7 @@ kc.check_padding_rows("cpu", torch.float32, splits=4)
 kc.check_fused("cpu", torch.float32, kc.FUSED_SHAPES)
 kc.check_attention("cpu", torch.float32, kc.ATTENTION_CASES, atol=1e-4)
 kc.check_skinny("cpu", torch.float32, kc.SKINNY_SHAPES, [(16, 64, 1, 2), (32, 128, 4, 2)])
+kc.check_race("cpu", torch.float32)
 print("kernels ok")
 """
 

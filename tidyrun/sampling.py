@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .sampling_params import SamplingParams
+
+
+RaceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
 class Sampler:
@@ -16,8 +19,15 @@ class Sampler:
     filtered by top-k, then top-p, then min-p (each on the distribution the
     previous filter left, as transformers does), and sampled with the row's own
     ``torch.Generator`` so a seeded request draws the same tokens whatever
-    else is in the batch. Holds no device memory between calls.
+    else is in the batch. A row with no filter (the RL rollout default:
+    top_k, top_p, min_p all off) skips the sort of the vocabulary: it takes
+    the exponential race, ``race`` (the runner's ops: one Triton pass on
+    CUDA, ``race_sample`` elsewhere), which also gives its log-probability.
+    Holds no device memory between calls.
     """
+
+    def __init__(self, race: RaceFn | None = None) -> None:
+        self.race = race or race_sample
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -25,10 +35,31 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens
-        probs, order = self._sorted_filtered(logits[rows], [params[i] for i in rows])
-        picks = torch.stack([draw(probs[j], generators[i]) for j, i in enumerate(rows)])
-        tokens[rows] = order[torch.arange(len(rows), device=logits.device), picks]
+        vocab, dev = logits.shape[-1], logits.device
+        racing = [i for i in rows if unfiltered(params[i], vocab)]
+        if racing:
+            sub = logits if len(racing) == len(params) else logits[torch.tensor(racing, device=dev)]
+            picks, _ = self.race(sub, *race_inputs(sub, [params[i] for i in racing],
+                                                   [generators[i] for i in racing]), False)
+            if len(racing) == len(params):
+                return picks
+            tokens[racing] = picks
+        filtered = [i for i in rows if not unfiltered(params[i], vocab)]
+        if filtered:
+            probs, order = self._sorted_filtered(logits[filtered].float(), [params[i] for i in filtered])
+            picks = torch.stack([draw(probs[j], generators[i]) for j, i in enumerate(filtered)])
+            tokens[filtered] = order[torch.arange(len(filtered), device=dev), picks]
         return tokens
+
+    def sample_with_logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                             generators: Sequence[torch.Generator | None]) -> list[tuple[int, float, int]]:
+        """(token, its raw log-probability, its rank) per row, for rows that are greedy or unfiltered
+        (``unfiltered``): one race over the batch, one copy to the host. The tokens are those ``__call__``
+        draws from the same generators."""
+        if not all(p.greedy or unfiltered(p, logits.shape[-1]) for p in params):
+            raise ValueError("sample_with_logprobs takes greedy or unfiltered rows only")
+        _, packed = self.race(logits, *race_inputs(logits, params, generators), True)
+        return [(int(t), lp, int(r)) for t, lp, r in packed.tolist()]
 
     def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """The distribution [rows, vocab] each (non-greedy) row samples from, after all filters."""
@@ -62,6 +93,45 @@ class Sampler:
         if keep_logits:
             return sorted_logits.softmax(dim=-1), order, sorted_logits
         return sorted_logits.softmax(dim=-1), order
+
+
+def unfiltered(params: SamplingParams, vocab: int) -> bool:
+    """Whether a sampled row keeps its whole distribution (no top-k, top-p or min-p cut): it can race."""
+    return (params.top_k <= 0 or params.top_k >= vocab) and params.top_p >= 1.0 and params.min_p <= 0.0
+
+
+def race_inputs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The race's noise (float32 [B, vocab], Exp(1) from each sampled row's generator; greedy rows' rows
+    are left unset) and scale (float32 [B, 2]: 1 / temperature and 1 for sampled rows, 1 and 0 for greedy)."""
+    dev = logits.device
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=dev)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled and all(generators[i] is None for i in sampled):
+        noise.exponential_()  # one draw from the global generator for the whole batch
+    else:
+        for i in sampled:
+            noise[i].exponential_(generator=generators[i])
+    scale = torch.tensor([[1.0, 0.0] if p.greedy else [1.0 / p.temperature, 1.0] for p in params],
+                         dtype=torch.float32)
+    return noise, scale.to(dev, non_blocking=True)
+
+
+def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
+                want_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tokens by the exponential race: argmax(logits * scale[:, 0] - log(noise)) per row, the noise only
+    where scale[:, 1] is set (else the plain argmax), which samples softmax(logits / T) exactly. With
+    ``want_logprob`` also float64 [B, 3] rows of (token, log-probability under softmax(logits), 1-based
+    rank): the raw log-probability, before temperature, as vLLM's "raw_logprobs". The reference of the
+    Triton kernels in ``tidyrun.kernels.race``."""
+    x = logits.float()
+    gumbel = torch.where(scale[:, 1:] != 0, noise.clamp_min(1e-30).log(), 0.0)
+    tokens = (x * scale[:, :1] - gumbel).argmax(dim=-1)
+    if not want_logprob:
+        return tokens, None
+    value = x.gather(1, tokens[:, None])[:, 0]
+    rank = (x > value[:, None]).sum(-1) + 1
+    return tokens, torch.stack([tokens.double(), (value - x.logsumexp(-1)).double(), rank.double()], dim=1)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionMetadata, ForwardContext, paged_attention_reference, store_kv
+from ..sampling import race_sample
 from .layers import apply_rope
 
 
@@ -40,6 +41,11 @@ class TorchOps:
         x = logits.float()
         at = logits.argmax(dim=-1)
         return at, x.gather(-1, at[:, None])[:, 0] - x.logsumexp(dim=-1)
+
+    def race_sample(self, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
+                    want_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled (or greedy) tokens by the exponential race, and optionally (token, logprob, rank) rows."""
+        return race_sample(logits, noise, scale, want_logprob)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,9 +92,10 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self, num_sms: int, ctx: ForwardContext | None = None, skinny_float32: bool = False) -> None:
-        from ..kernels import attention, fused, skinny  # imported here: the CPU path never needs Triton
+        from ..kernels import attention, fused, race, skinny  # imported here: the CPU path never needs Triton
 
         self._attn = attention
+        self._race = race
         self._fused = fused
         self._skinny = skinny
         self._num_sms = num_sms
@@ -128,6 +135,10 @@ class TritonOps(TorchOps):
 
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._skinny.argmax_logprob_rows(logits)
+
+    def race_sample(self, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
+                    want_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._race.race_sample(logits, noise, scale, want_logprob)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,7 +46,7 @@ from ..model.sharding import TPShard
 from ..report import ShutdownReport
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
 from ..logits_process import process_logits, stop_token_bans
-from ..sampling import Sampler, logprob_records
+from ..sampling import Sampler, logprob_records, unfiltered
 from ..scheduler import ScheduledBatch
 from ..sequence import PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
 from ..spec_decode import accept_greedy, verify_drafts
@@ -89,9 +89,9 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.cache.block_size
-        self.sampler = Sampler()
         self.ctx = ForwardContext()
         self.ops = self._choose_ops(config)
+        self.sampler = Sampler(self.ops.race_sample)
         self.graph_sizes = self._graph_sizes(config)
         self.last_transfer: dict[str, float] = {}
         gpu_memory = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
@@ -425,6 +425,8 @@ class ModelRunner:
             return StepOutput([], prompt)
         if self._greedy_logprobs_only(seqs):
             return StepOutput(self._greedy_with_logprobs(logits, greedy, greedy_logprob, seqs), prompt)
+        if self._race_logprobs_only(seqs):
+            return StepOutput(self._race_with_logprobs(logits, seqs), prompt)
         if any(s.needs_processing for s in seqs):
             return StepOutput(self._sample_processed(logits, seqs), prompt)
         return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
@@ -439,6 +441,27 @@ class ModelRunner:
                     or (s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids))):
                 return False
         return True
+
+    def _race_logprobs_only(self, seqs: list[Sequence]) -> bool:
+        """The RL rollout case: sequences greedy or sampled without top-k/top-p/min-p, nothing but
+        ``logprobs=0`` asked (raw mode), no logits processing, no drafts."""
+        if self.config.logprobs_mode != "raw_logprobs":
+            return False
+        vocab = self.model_config.vocab_size
+        for s in seqs:
+            p = s.params
+            if (s.draft_tokens or p.processes_logits or p.logprobs not in (None, 0)
+                    or not (p.greedy or unfiltered(p, vocab))
+                    or (s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids))):
+                return False
+        return True
+
+    def _race_with_logprobs(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
+        """Tokens and their raw log-probabilities and ranks from one race over the logits (the same tokens
+        the sampler draws when other sequences of the step need processing)."""
+        rows = self.sampler.sample_with_logprobs(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return [SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, rank, [], [])])
+                for s, (t, v, rank) in zip(seqs, rows)]
 
     def _greedy_with_logprobs(self, logits: torch.Tensor, greedy: torch.Tensor | None,
                               greedy_logprob: torch.Tensor | None, seqs: list[Sequence]) -> list[SampledTokens]:
@@ -465,11 +488,11 @@ class ModelRunner:
             targets = (self.ops.argmax(logits) if any(banned) or greedy is None else greedy).tolist()
             return [(s, accept_greedy(s.draft_tokens, targets[row:row + 1 + len(s.draft_tokens)]))
                     for s, row in zip(seqs, starts)]
-        logits = logits.float()
-        if not drafts:
+        if not drafts:  # the sampler reads the logits in their dtype (the race upcasts as it reads)
             self._ban_stop_tokens_below_min(logits, seqs)
             tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
             return [(s, [t]) for s, t in zip(seqs, tokens.tolist())]
+        logits = logits.float()
         out, row = [], 0
         for seq in seqs:  # drafts are never scheduled below min_tokens, so no stop-token ban is needed here
             rows = 1 + len(seq.draft_tokens)
