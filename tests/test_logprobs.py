@@ -236,6 +236,22 @@ def test_sampled_logprobs_fast_path_equals_the_general_path(llm, hf_default_mode
             assert ef[token].rank == int((row > row[token]).sum()) + 1
 
 
+def test_sampling_without_logprobs_computes_none(llm, monkeypatch):
+    """A step where nobody asked for logprobs races without computing them (their cost is only paid when asked)."""
+    asked = []
+    race = llm.runner.sampler.race
+
+    def spy(logits, noise, scale, want_logprob):
+        asked.append(want_logprob)
+        return race(logits, noise, scale, want_logprob)
+
+    monkeypatch.setattr(llm.runner.sampler, "race", spy)
+    llm.generate(PROMPTS, SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    llm.generate(PROMPTS, SamplingParams(temperature=0.8, seed=1, max_tokens=3, logprobs=0, ignore_eos=True),
+                 use_tqdm=False)
+    assert asked == [False] * 3 + [True] * 3
+
+
 def test_ignore_eos_keeps_a_structured_sequence_going(llm):
     """EOS would end a structured sequence; with ignore_eos (and min_tokens) it continues to max_tokens."""
     import re

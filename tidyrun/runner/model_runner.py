@@ -445,7 +445,7 @@ class ModelRunner:
     def _race_logprobs_only(self, seqs: list[Sequence]) -> bool:
         """The RL rollout case: sequences greedy or sampled without top-k/top-p/min-p, nothing but
         ``logprobs=0`` asked (raw mode), no logits processing, no drafts."""
-        if self.config.logprobs_mode != "raw_logprobs":
+        if self.config.logprobs_mode != "raw_logprobs" or all(s.params.logprobs is None for s in seqs):
             return False
         vocab = self.model_config.vocab_size
         for s in seqs:
