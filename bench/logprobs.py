@@ -3,7 +3,8 @@
     python bench/logprobs.py [--shape llama-1.2b] [--batch-sizes 1 16 64 256] [--json bench/results/logprobs.json]
 
 (a) Decode: B requests decoding (random prompts of ``--decode-prompt-len``
-tokens), median ``llm.step()`` time over ``--decode-steps`` steps, for
+tokens), median ``llm.step()`` time over ``--rounds`` x ``--decode-steps``
+steps, the two sides alternating round by round, for
 ``SamplingParams(logprobs=None)`` vs ``logprobs=0`` (what TRL and verl send),
 greedy and at temperature 1 (RL rollouts); one engine, same requests.
 (b) Structured outputs on the default model (a real 49k-token vocabulary, so
@@ -37,8 +38,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "city"], "additionalProperties": False}
 
 
-def step_times(llm, params, batch: int, plen: int, steps: int, vocab: int, device: str) -> float:
-    """Median step time (s) with ``batch`` requests of ``params`` all decoding."""
+def step_times(llm, params, batch: int, plen: int, steps: int, vocab: int, device: str) -> list[float]:
+    """``steps`` step times (s) with ``batch`` requests of ``params`` all decoding."""
     rng = random.Random(2)
     rids = [llm.add_request({"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(plen)]}, params)
             for _ in range(batch)]
@@ -58,7 +59,7 @@ def step_times(llm, params, batch: int, plen: int, steps: int, vocab: int, devic
         llm.abort_request(r)
     while llm.has_unfinished_requests():
         llm.step()
-    return statistics.median(times)
+    return times
 
 
 def decode_rows(ckpt: str, args: argparse.Namespace) -> list[dict]:
@@ -72,11 +73,14 @@ def decode_rows(ckpt: str, args: argparse.Namespace) -> list[dict]:
         max_tokens = min(10000, llm.max_model_len - plen - 1)
         for temperature in (0.0, 1.0):
             for b in args.batch_sizes:
-                ms = {}
-                for lp in (None, 0):
-                    params = SamplingParams(temperature=temperature, seed=0 if temperature else None,
-                                            max_tokens=max_tokens, ignore_eos=True, logprobs=lp)
-                    ms[lp] = step_times(llm, params, b, plen, args.decode_steps, vocab, args.device) * 1e3
+                # The two sides alternate (A B A B ...) so that a drift of the machine hits both alike.
+                times: dict = {None: [], 0: []}
+                for _ in range(args.rounds):
+                    for lp in (None, 0):
+                        params = SamplingParams(temperature=temperature, seed=0 if temperature else None,
+                                                max_tokens=max_tokens, ignore_eos=True, logprobs=lp)
+                        times[lp] += step_times(llm, params, b, plen, args.decode_steps, vocab, args.device)
+                ms = {lp: statistics.median(t) * 1e3 for lp, t in times.items()}
                 rows.append(dict(temperature=temperature, batch=b, plain_ms=ms[None], logprobs0_ms=ms[0],
                                  overhead=ms[0] / ms[None] - 1))
     finally:
@@ -134,7 +138,8 @@ def main() -> None:
     add_workload_args(ap)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--decode-prompt-len", type=int, default=512)
-    ap.add_argument("--decode-steps", type=int, default=50)
+    ap.add_argument("--decode-steps", type=int, default=20, help="timed steps per round and side")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per side (median over all steps)")
     ap.add_argument("--json-requests", type=int, default=64)
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-structured", action="store_true")
