@@ -53,11 +53,10 @@ class Sampler:
 
     def sample_with_logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                              generators: Sequence[torch.Generator | None]) -> list[tuple[int, float, int]]:
-        """(token, its raw log-probability, its rank) per row, for rows that are greedy or unfiltered
-        (``unfiltered``): one race over the batch, one copy to the host. The tokens are those ``__call__``
+        """(token, its raw log-probability, its rank) per row, for rows that are all greedy or ``unfiltered``
+        (the caller's to check, once per sequence: a filtered row would be sampled from its whole
+        distribution): one race over the batch, one copy to the host. The tokens are those ``__call__``
         draws from the same generators."""
-        if not all(p.greedy or unfiltered(p, logits.shape[-1]) for p in params):
-            raise ValueError("sample_with_logprobs takes greedy or unfiltered rows only")
         _, packed = self.race(logits, *race_inputs(logits, params, generators), True)
         return [(int(t), lp, int(r)) for t, lp, r in packed.tolist()]
 
@@ -95,9 +94,11 @@ class Sampler:
         return sorted_logits.softmax(dim=-1), order
 
 
-def unfiltered(params: SamplingParams, vocab: int) -> bool:
-    """Whether a sampled row keeps its whole distribution (no top-k, top-p or min-p cut): it can race."""
-    return (params.top_k <= 0 or params.top_k >= vocab) and params.top_p >= 1.0 and params.min_p <= 0.0
+def unfiltered(params: SamplingParams, vocab: int | None = None) -> bool:
+    """Whether a sampled row keeps its whole distribution (no top-k, top-p or min-p cut): it can race.
+    Without ``vocab`` a top-k counts as a cut whatever its size."""
+    return ((params.top_k <= 0 or (vocab is not None and params.top_k >= vocab))
+            and params.top_p >= 1.0 and params.min_p <= 0.0)
 
 
 def race_inputs(logits: torch.Tensor, params: Sequence[SamplingParams],

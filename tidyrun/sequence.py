@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from .sampling import unfiltered
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -96,6 +97,12 @@ class Sequence:
         # (penalties, bias, masks, structured outputs) or logprobs: such sequences never speculate and take
         # the runner's general sampling path. Decided once: the runner checks it for every sequence every step.
         self.needs_processing = params.processes_logits or params.logprobs is not None
+        # Whether its token and ``logprobs=0`` record can come from one pass over the logits (the runner's
+        # RL-rollout path): greedy or sampled from the whole distribution, nothing else processed. Decided
+        # once for the same reason (at batch 256 the per-step checks of the params cost ~0.5 ms on the H200).
+        self.greedy = params.greedy
+        self.one_pass = (params.logprobs in (None, 0) and not params.processes_logits
+                         and (self.greedy or unfiltered(params)))
 
     @property
     def text(self) -> str:

@@ -46,7 +46,7 @@ from ..model.sharding import TPShard
 from ..report import ShutdownReport
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
 from ..logits_process import process_logits, stop_token_bans
-from ..sampling import Sampler, logprob_records, unfiltered
+from ..sampling import Sampler, logprob_records
 from ..scheduler import ScheduledBatch
 from ..sequence import PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
 from ..spec_decode import accept_greedy, verify_drafts
@@ -423,38 +423,27 @@ class ModelRunner:
         logits = logits[:num_sampling]
         if not seqs:
             return StepOutput([], prompt)
-        if self._greedy_logprobs_only(seqs):
+        one_pass = self._one_pass_logprobs(seqs)
+        if one_pass == "greedy":
             return StepOutput(self._greedy_with_logprobs(logits, greedy, greedy_logprob, seqs), prompt)
-        if self._race_logprobs_only(seqs):
+        if one_pass == "race":
             return StepOutput(self._race_with_logprobs(logits, seqs), prompt)
         if any(s.needs_processing for s in seqs):
             return StepOutput(self._sample_processed(logits, seqs), prompt)
         return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
 
-    def _greedy_logprobs_only(self, seqs: list[Sequence]) -> bool:
-        """The RL scoring case: every sequence greedy, one token, nothing but ``logprobs=0`` asked (raw mode)."""
-        if self.config.logprobs_mode != "raw_logprobs" or all(s.params.logprobs is None for s in seqs):
-            return False
-        for s in seqs:
-            p = s.params
-            if (not p.greedy or s.draft_tokens or p.processes_logits or p.logprobs not in (None, 0)
-                    or (s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids))):
-                return False
-        return True
-
-    def _race_logprobs_only(self, seqs: list[Sequence]) -> bool:
-        """The RL rollout case: sequences greedy or sampled without top-k/top-p/min-p, nothing but
-        ``logprobs=0`` asked (raw mode), no logits processing, no drafts."""
-        if self.config.logprobs_mode != "raw_logprobs" or all(s.params.logprobs is None for s in seqs):
-            return False
-        vocab = self.model_config.vocab_size
-        for s in seqs:
-            p = s.params
-            if (s.draft_tokens or p.processes_logits or p.logprobs not in (None, 0)
-                    or not (p.greedy or unfiltered(p, vocab))
-                    or (s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids))):
-                return False
-        return True
+    def _one_pass_logprobs(self, seqs: list[Sequence]) -> str | None:
+        """The RL cases where ``logprobs=0`` comes from the pass that picks the tokens (raw mode, no drafts,
+        nothing processed, some sequence asked): "greedy" when every sequence is greedy (the argmax pass,
+        inside the CUDA graph when one ran), "race" when some sample from their whole distribution, else
+        None. Sequence flags decided at creation keep this to a few C-level loops at batch 256."""
+        if (self.config.logprobs_mode != "raw_logprobs" or all(s.params.logprobs is None for s in seqs)
+                or not all(s.one_pass and not s.draft_tokens for s in seqs)):
+            return None
+        if any(s.params.min_tokens and s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids)
+               for s in seqs):
+            return None
+        return "greedy" if all(s.greedy for s in seqs) else "race"
 
     def _race_with_logprobs(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
         """Tokens and their raw log-probabilities and ranks from one race over the logits (the same tokens
