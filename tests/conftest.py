@@ -71,8 +71,11 @@ def hf_tokenizer_dir(tmp_path_factory, default_model) -> str:
 
 
 def write_tiny_checkpoint(out_dir: str, tokenizer_dir: str, arch: str = "llama", max_shard_size: str | None = None,
-                          seed: int = 0, **overrides) -> str:
-    """Write a random-weight HF checkpoint (config.json + safetensors + tokenizer) into ``out_dir``."""
+                          seed: int = 0, perturb_vectors: bool = False, **overrides) -> str:
+    """Write a random-weight HF checkpoint (config.json + safetensors + tokenizer) into ``out_dir``.
+
+    ``perturb_vectors``: also draw the 1-D weights (norms, biases) around their init, so that a norm
+    loaded into the wrong place, or not applied, changes the logits."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -88,6 +91,8 @@ def write_tiny_checkpoint(out_dir: str, tokenizer_dir: str, arch: str = "llama",
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
+            elif perturb_vectors:
+                p.add_(torch.randn_like(p) * 0.2)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **save_kwargs)
     for f in os.listdir(tokenizer_dir):

@@ -18,7 +18,7 @@ from ..errors import ModelLoadError, UnsupportedModelError
 from ..tokenizer import Tokenizer
 
 # GGUF architecture name -> tidyrun architecture. Mistral GGUFs say "llama".
-_ARCHITECTURES = MappingProxyType({"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"})
+_ARCHITECTURES = MappingProxyType({"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"})
 
 # Per-layer tensor suffix in GGUF -> HF suffix under model.layers.N.
 _LAYER_NAMES = MappingProxyType({
@@ -30,6 +30,8 @@ _LAYER_NAMES = MappingProxyType({
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -115,6 +117,7 @@ class GGUFSource:
                 max_position_embeddings=int(_field(reader, f"{a}.context_length")),
                 tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
                 attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+                qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
                 rope_scaling=scaling,
                 bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", required=False),
                 eos_token_ids=() if eos is None else (int(eos),),

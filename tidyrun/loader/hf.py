@@ -14,7 +14,7 @@ from ..errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 
-_MODEL_TYPES = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"})
+_MODEL_TYPES = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"})
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -83,6 +83,7 @@ def config_from_hf(raw: dict, where: str) -> ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
             rope_scaling=scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,

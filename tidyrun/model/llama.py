@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2 shapes) over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 shapes) over a paged KV cache.
+
+Qwen3 is Llama plus one step: an RMSNorm over each query and key head (its
+own weight, [head_dim], shared by the heads) between the QKV projection and
+RoPE (``ModelConfig.qk_norm``).
 
 Q/K/V and gate/up projections are fused into one matrix each (fewer, larger
 matmuls); ``load_weights`` maps the HF checkpoint names onto those shards and
@@ -70,14 +74,25 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops, dtype)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self._ctx = ctx
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head RMSNorm of the queries and keys (values untouched), back in the fused layout."""
+        tokens, d = qkv.shape[0], self.head_dim
+        q = self.q_norm(qkv[:, :self.q_size].reshape(-1, d))[0].view(tokens, self.q_size)
+        k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].reshape(-1, d))[0].view(tokens, self.kv_size)
+        return torch.cat([q, k, qkv[:, self.q_size + self.kv_size:]], dim=-1)
 
     def forward(self, x: torch.Tensor, rope, kv_cache: KVCache | None) -> torch.Tensor:
         tokens = x.shape[0]
         meta = self._ctx.metadata
         kv = None if meta.block_tables is None else kv_cache.layer(self.layer_idx)
-        q, k, v = self._ops.rope_and_store(self.qkv_proj(x), rope, (self.num_heads, self.num_kv_heads, self.head_dim),
-                                           kv, meta)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
+        q, k, v = self._ops.rope_and_store(qkv, rope, (self.num_heads, self.num_kv_heads, self.head_dim), kv, meta)
         if kv is None:  # KV-free (pooling): complete sequences, nothing cached
             out = causal_attention_dense(q, k, v, meta, self.scale)
         else:
@@ -216,6 +231,9 @@ class LlamaForCausalLM(nn.Module):
             shards[pre + "post_attention_layernorm.weight"] = WeightShard(layer.post_attention_layernorm.weight, 0, (h,))
             shards[pre + "self_attn.o_proj.weight"] = WeightShard(attn.o_proj.weight, 0, (h, q), 1, q_start, q_len)
             shards[pre + "mlp.down_proj.weight"] = WeightShard(mlp.down_proj.weight, 0, (h, inter), 1, i_start, i_len)
+            if cfg.qk_norm:  # one [head_dim] weight per layer, the same on every tensor-parallel rank
+                shards[pre + "self_attn.q_norm.weight"] = WeightShard(attn.q_norm.weight, 0, (d,))
+                shards[pre + "self_attn.k_norm.weight"] = WeightShard(attn.k_norm.weight, 0, (d,))
             params = [("weight", attn.qkv_proj.weight, (h,))]
             if cfg.attention_bias:
                 params.append(("bias", attn.qkv_proj.bias, ()))

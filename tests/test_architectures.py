@@ -1,0 +1,127 @@
+"""Architectures beyond Llama (CPU, fp32): each tiny random checkpoint written by transformers gives
+transformers' logits and greedy tokens, the same tokens batched as alone, and after update_weights with
+perturbed weights the same logits as a fresh engine on the perturbed checkpoint.
+
+The checkpoints perturb every 1-D weight too (norms, biases), so a per-head norm that is loaded into the
+wrong place or skipped changes the logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import write_tiny_checkpoint
+from test_reference import assert_matches_reference
+from tidyrun import LLM, SamplingParams
+
+PROMPTS = ["Hello there, how are you doing today? I am fine.", "def fibonacci(n):", "The capital of"]
+ARCHS = {
+    # Qwen3: q_norm/k_norm per head before RoPE, head_dim set apart from hidden/heads, no q/k/v bias.
+    "qwen3": dict(arch="qwen3", head_dim=32, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def checkpoint(request, tmp_path_factory, hf_tokenizer_dir):
+    kw = ARCHS[request.param]
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), hf_tokenizer_dir,
+                                 perturb_vectors=True, **kw)
+
+
+def test_logits_and_greedy_tokens_equal_transformers(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with LLM(checkpoint, device="cpu", dtype="float32") as engine:
+        assert_matches_reference(engine, ref, engine.tokenizer.encode(PROMPTS[0]))
+
+
+def test_batched_equals_alone(checkpoint):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(checkpoint, device="cpu", dtype="float32") as engine:
+        batched = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+        alone = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    assert batched == alone
+
+
+def test_update_weights_equals_a_fresh_engine(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    import glob
+    import os
+    import shutil
+
+    perturbed = str(tmp_path / "perturbed")
+    shutil.copytree(checkpoint, perturbed)
+    [path] = glob.glob(os.path.join(perturbed, "*.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    weights = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in load_file(path).items()}
+    save_file(weights, path, metadata={"format": "pt"})
+    ids = None
+    with LLM(perturbed, device="cpu", dtype="float32") as fresh:
+        ids = fresh.tokenizer.encode(PROMPTS[0])
+        want = fresh.compute_logits(ids)
+    with LLM(checkpoint, device="cpu", dtype="float32") as engine:
+        before = engine.compute_logits(ids)
+        assert engine.update_weights(weights) == len(weights)
+        after = engine.compute_logits(ids)
+    assert (before - want).abs().max() > 1e-2  # the perturbation shows
+    assert torch.allclose(after, want, atol=1e-5, rtol=0)
+
+
+def test_tensor_parallel_matches_one_rank(checkpoint):
+    """Split over 2 CPU ranks (heads and intermediate channels; per-head norms replicated): same logits."""
+    with LLM(checkpoint, device="cpu", dtype="float32") as single:
+        ids = single.tokenizer.encode(PROMPTS[0])
+        want = single.compute_logits(ids)
+    with LLM(checkpoint, device="cpu", dtype="float32", tensor_parallel_size=2) as split:
+        got = split.compute_logits(ids)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_qwen3_gguf_reads_as_the_hf_folder(tmp_path, hf_tokenizer_dir):
+    """A Qwen3 GGUF (written with the gguf package's own HF -> GGUF name map, float32) gives the same
+    config and the same HF-named tensors as the Hugging Face folder it came from."""
+    import json
+    import os
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from tidyrun.loader import open_model_source
+    from tidyrun.loader.gguf import GGUFSource
+
+    folder = write_tiny_checkpoint(str(tmp_path / "hf"), hf_tokenizer_dir, perturb_vectors=True, **ARCHS["qwen3"])
+    raw = json.load(open(os.path.join(folder, "config.json")))
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    path = str(tmp_path / "tiny-qwen3.gguf")
+    writer = gguf.GGUFWriter(path, "qwen3")
+    writer.add_block_count(raw["num_hidden_layers"])
+    writer.add_context_length(raw["max_position_embeddings"])
+    writer.add_embedding_length(raw["hidden_size"])
+    writer.add_feed_forward_length(raw["intermediate_size"])
+    writer.add_head_count(raw["num_attention_heads"])
+    writer.add_head_count_kv(raw["num_key_value_heads"])
+    writer.add_key_length(raw["head_dim"])
+    writer.add_value_length(raw["head_dim"])
+    writer.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    writer.add_rope_freq_base(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 1e6)))
+    writer.add_vocab_size(raw["vocab_size"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, raw["num_hidden_layers"])
+    for name, tensor in weights.items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    source, reference = GGUFSource(path), open_model_source(folder)
+    assert source.config.qk_norm and source.config.architecture == "qwen3"
+    for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "vocab_size", "tie_word_embeddings", "attention_bias", "qk_norm"):
+        assert getattr(source.config, field) == getattr(reference.config, field), field
+    got = dict(source.iter_weights())
+    assert got.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(got[name], tensor.float()), name
