@@ -19,6 +19,11 @@ PROMPTS = ["Hello there, how are you doing today? I am fine.", "def fibonacci(n)
 ARCHS = {
     # Qwen3: q_norm/k_norm per head before RoPE, head_dim set apart from hidden/heads, no q/k/v bias.
     "qwen3": dict(arch="qwen3", head_dim=32, tie_word_embeddings=True),
+    # Phi-3: qkv_proj and gate_up_proj fused in the checkpoint; longrope (short factors inside the original
+    # context, cos/sin scaled by the attention factor of max / original positions).
+    "phi3": dict(arch="phi3", max_position_embeddings=1024, original_max_position_embeddings=256,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                               "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
 }
 
 
@@ -125,3 +130,33 @@ def test_qwen3_gguf_reads_as_the_hf_folder(tmp_path, hf_tokenizer_dir):
     assert got.keys() == weights.keys()
     for name, tensor in weights.items():
         assert torch.equal(got[name], tensor.float()), name
+
+
+def test_dummy_weights_cover_every_parameter(checkpoint):
+    """load_format="dummy" builds the same names and shapes the checkpoint has (fused, per-head norms)."""
+    from safetensors.torch import load_file
+
+    import glob
+
+    from tidyrun.loader.dummy import checkpoint_shapes
+    from tidyrun.loader import open_model_source
+
+    [path] = glob.glob(f"{checkpoint}/*.safetensors")
+    real = {k: tuple(v.shape) for k, v in load_file(path).items()}
+    cfg = open_model_source(checkpoint).config
+    assert checkpoint_shapes(cfg) == real
+    with LLM(checkpoint, device="cpu", dtype="float32", load_format="dummy") as engine:
+        assert len(engine.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+                   .outputs[0].token_ids) == 2
+
+
+def test_phi3_longrope_context_stops_at_the_original_length(tmp_path, hf_tokenizer_dir):
+    """Inside the original context transformers uses the short factors for every position, which a table
+    reproduces exactly; beyond it the factors change for the whole sequence, so the context ends there."""
+    from tidyrun import PromptTooLongError
+
+    path = write_tiny_checkpoint(str(tmp_path), hf_tokenizer_dir, **ARCHS["phi3"])
+    with LLM(path, device="cpu", dtype="float32") as engine:
+        assert engine.max_model_len == 256
+        with pytest.raises(PromptTooLongError):
+            engine.generate({"prompt_token_ids": [5] * 300}, SamplingParams(max_tokens=1), use_tqdm=False)

@@ -13,18 +13,20 @@ from types import MappingProxyType
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling as declared by a checkpoint (HF ``rope_scaling``)."""
 
-    rope_type: str  # "linear" or "llama3"
+    rope_type: str  # "linear", "llama3" or "longrope" (Phi-3's; its short factors, see layers.rope_inv_freq)
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: one divisor per frequency
+    attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj already fused
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

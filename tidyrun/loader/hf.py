@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from types import MappingProxyType
@@ -14,7 +15,8 @@ from ..errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 
-_MODEL_TYPES = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"})
+_MODEL_TYPES = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                                 "phi3": "phi3"})
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -48,7 +50,18 @@ def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
             float(scaling.get("high_freq_factor", 4.0)),
             int(scaling.get("original_max_position_embeddings", 8192)),
         )
-    raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3)")
+    if rope_type in ("longrope", "su"):  # Phi-3 ("su" in its first configs); transformers' own arithmetic
+        original = int(scaling.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+                       or raw.get("max_position_embeddings", 2048))
+        factor = float(scaling.get("factor") or raw.get("max_position_embeddings", original) / original)
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return theta, RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                                  short_factor=tuple(float(f) for f in scaling["short_factor"]),
+                                  attention_factor=float(attention))
+    raise UnsupportedModelError(
+        f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3, longrope)")
 
 
 def config_from_hf(raw: dict, where: str) -> ModelConfig:
@@ -64,9 +77,18 @@ def config_from_hf(raw: dict, where: str) -> ModelConfig:
         theta, scaling = _rope(raw)
         max_pos = int(raw.get("max_position_embeddings", 2048))
         window = raw.get("sliding_window")
-        if window and raw.get("use_sliding_window", model_type == "mistral") and int(window) < max_pos:
+        if window and raw.get("use_sliding_window", model_type in ("mistral", "phi3")) and int(window) < max_pos:
             # Full attention inside the window is exact; longer contexts would need a windowed kernel.
             max_pos = int(window)
+        if scaling is not None and scaling.rope_type == "longrope":
+            # transformers switches every position to the long factors once a sequence outgrows the original
+            # context; a per-position table is exact only inside it (the short factors), so the context stops there.
+            max_pos = min(max_pos, scaling.original_max_position_embeddings)
+        partial = float((raw.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                               raw.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            raise UnsupportedModelError(f"partial_rotary_factor {partial} in {where!r} is not supported (RoPE over "
+                                        "the whole head only)")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
@@ -84,6 +106,7 @@ def config_from_hf(raw: dict, where: str) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
+            fused_checkpoint=model_type == "phi3",
             rope_scaling=scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,

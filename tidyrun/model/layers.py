@@ -86,6 +86,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "longrope":  # Phi-3 inside its original context: each frequency over its short factor
+        if len(scaling.short_factor) != head_dim // 2:
+            raise ValueError(f"longrope short_factor has {len(scaling.short_factor)} entries for head_dim {head_dim}")
+        return inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float32)
     # llama3: keep high frequencies, divide low ones by factor, blend in between.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -110,6 +114,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        scaling = cfg.rope_scaling
+        self._magnitude = scaling.attention_factor if scaling is not None and scaling.rope_type == "longrope" else 1.0
         self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(0, device="meta"), persistent=False)
         self.register_buffer("sin", torch.empty(0, device="meta"), persistent=False)
@@ -117,8 +123,8 @@ class RotaryEmbedding(nn.Module):
     def build(self, device: torch.device) -> None:
         freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        self.cos = (emb.cos() * self._magnitude).to(device)
+        self.sin = (emb.sin() * self._magnitude).to(device)
 
     def release(self) -> None:
         self.cos = torch.empty(0, device="meta")

@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 shapes) over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3 shapes) over a paged KV cache.
 
 Qwen3 is Llama plus one step: an RMSNorm over each query and key head (its
 own weight, [head_dim], shared by the heads) between the QKV projection and
-RoPE (``ModelConfig.qk_norm``).
+RoPE (``ModelConfig.qk_norm``). Phi-3 is Llama whose checkpoint already
+fuses qkv_proj and gate_up_proj (``ModelConfig.fused_checkpoint``), with
+its longrope RoPE (``layers.rope_inv_freq``).
 
 Q/K/V and gate/up projections are fused into one matrix each (fewer, larger
 matmuls); ``load_weights`` maps the HF checkpoint names onto those shards and
@@ -37,11 +39,14 @@ from .ops import TorchOps
 
 @dataclass(frozen=True)
 class WeightShard:
-    """Where one checkpoint tensor (or its tensor-parallel slice) goes.
+    """Where one piece of a checkpoint tensor (or of its tensor-parallel slice) goes.
 
     The checkpoint tensor has the full ``shape``; its slice ``[start, start +
     length)`` along ``dim`` is copied to rows ``[row, row + rows)`` of
-    ``param``. Unsplit weights take the whole of dimension 0.
+    ``param``. Unsplit weights take the whole of dimension 0. A checkpoint
+    tensor that is already fused (Phi-3's qkv_proj, gate_up_proj) goes in
+    several pieces: under tensor parallelism a rank's q, k and v rows are
+    three separate slices of it.
     """
 
     param: torch.Tensor
@@ -60,6 +65,10 @@ class WeightShard:
     @property
     def rows(self) -> int:
         return self.shape[0] if self.dim != 0 or self.length is None else self.length
+
+    def within(self, shape: tuple[int, ...], offset: int) -> WeightShard:
+        """The same piece read from a fused tensor of ``shape``, where its part starts ``offset`` rows in."""
+        return WeightShard(self.param, self.row, shape, self.dim, self.start + offset, self.length)
 
 
 class LlamaAttention(nn.Module):
@@ -206,8 +215,8 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights -------------------------------------------------------------------------
 
-    def weight_shards(self) -> dict[str, WeightShard]:
-        """HF name -> WeightShard for every weight the checkpoint must provide.
+    def weight_shards(self) -> dict[str, tuple[WeightShard, ...]]:
+        """HF name -> the pieces (WeightShards) of every weight the checkpoint must provide.
 
         Shapes come from the config, not the parameters, so weights can be
         checked while the parameters are released (asleep).
@@ -218,45 +227,59 @@ class LlamaForCausalLM(nn.Module):
         q_start, q_len = sh.heads[0] * d, sh.num_heads * d
         kv_start, kv_len = sh.kv_heads[0] * d, sh.num_kv_heads * d
         i_start, i_len = sh.intermediate
-        shards: dict[str, WeightShard] = {
-            "model.embed_tokens.weight": WeightShard(self.model.embed_tokens.weight, 0, (vocab, h), 0, *sh.vocab),
-            "model.norm.weight": WeightShard(self.model.norm.weight, 0, (h,)),
+        shards: dict[str, tuple[WeightShard, ...]] = {
+            "model.embed_tokens.weight": (WeightShard(self.model.embed_tokens.weight, 0, (vocab, h), 0, *sh.vocab),),
+            "model.norm.weight": (WeightShard(self.model.norm.weight, 0, (h,)),),
         }
         if self.lm_head is not None:
-            shards["lm_head.weight"] = WeightShard(self.lm_head.weight, 0, (vocab, h), 0, *sh.vocab)
+            shards["lm_head.weight"] = (WeightShard(self.lm_head.weight, 0, (vocab, h), 0, *sh.vocab),)
         for i, layer in enumerate(self.model.layers):
             pre = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            shards[pre + "input_layernorm.weight"] = WeightShard(layer.input_layernorm.weight, 0, (h,))
-            shards[pre + "post_attention_layernorm.weight"] = WeightShard(layer.post_attention_layernorm.weight, 0, (h,))
-            shards[pre + "self_attn.o_proj.weight"] = WeightShard(attn.o_proj.weight, 0, (h, q), 1, q_start, q_len)
-            shards[pre + "mlp.down_proj.weight"] = WeightShard(mlp.down_proj.weight, 0, (h, inter), 1, i_start, i_len)
+            shards[pre + "input_layernorm.weight"] = (WeightShard(layer.input_layernorm.weight, 0, (h,)),)
+            shards[pre + "post_attention_layernorm.weight"] = (
+                WeightShard(layer.post_attention_layernorm.weight, 0, (h,)),)
+            shards[pre + "self_attn.o_proj.weight"] = (WeightShard(attn.o_proj.weight, 0, (h, q), 1, q_start, q_len),)
+            shards[pre + "mlp.down_proj.weight"] = (
+                WeightShard(mlp.down_proj.weight, 0, (h, inter), 1, i_start, i_len),)
             if cfg.qk_norm:  # one [head_dim] weight per layer, the same on every tensor-parallel rank
-                shards[pre + "self_attn.q_norm.weight"] = WeightShard(attn.q_norm.weight, 0, (d,))
-                shards[pre + "self_attn.k_norm.weight"] = WeightShard(attn.k_norm.weight, 0, (d,))
+                shards[pre + "self_attn.q_norm.weight"] = (WeightShard(attn.q_norm.weight, 0, (d,)),)
+                shards[pre + "self_attn.k_norm.weight"] = (WeightShard(attn.k_norm.weight, 0, (d,)),)
             params = [("weight", attn.qkv_proj.weight, (h,))]
             if cfg.attention_bias:
                 params.append(("bias", attn.qkv_proj.bias, ()))
             for kind, p, rest in params:
-                shards[pre + f"self_attn.q_proj.{kind}"] = WeightShard(p, 0, (q, *rest), 0, q_start, q_len)
-                shards[pre + f"self_attn.k_proj.{kind}"] = WeightShard(p, q_len, (kv, *rest), 0, kv_start, kv_len)
-                shards[pre + f"self_attn.v_proj.{kind}"] = WeightShard(p, q_len + kv_len, (kv, *rest), 0, kv_start, kv_len)
-            shards[pre + "mlp.gate_proj.weight"] = WeightShard(mlp.gate_up_proj.weight, 0, (inter, h), 0, i_start, i_len)
-            shards[pre + "mlp.up_proj.weight"] = WeightShard(mlp.gate_up_proj.weight, i_len, (inter, h), 0, i_start, i_len)
+                pieces = {"q_proj": WeightShard(p, 0, (q, *rest), 0, q_start, q_len),
+                          "k_proj": WeightShard(p, q_len, (kv, *rest), 0, kv_start, kv_len),
+                          "v_proj": WeightShard(p, q_len + kv_len, (kv, *rest), 0, kv_start, kv_len)}
+                if cfg.fused_checkpoint:  # rows q, then k, then v of one tensor
+                    fused = (q + 2 * kv, *rest)
+                    shards[pre + f"self_attn.qkv_proj.{kind}"] = tuple(
+                        w.within(fused, offset) for w, offset in zip(pieces.values(), (0, q, q + kv)))
+                else:
+                    shards |= {pre + f"self_attn.{n}.{kind}": (w,) for n, w in pieces.items()}
+            gate = WeightShard(mlp.gate_up_proj.weight, 0, (inter, h), 0, i_start, i_len)
+            up = WeightShard(mlp.gate_up_proj.weight, i_len, (inter, h), 0, i_start, i_len)
+            if cfg.fused_checkpoint:  # rows gate, then up
+                shards[pre + "mlp.gate_up_proj.weight"] = (
+                    gate.within((2 * inter, h), 0), up.within((2 * inter, h), inter))
+            else:
+                shards[pre + "mlp.gate_proj.weight"], shards[pre + "mlp.up_proj.weight"] = (gate,), (up,)
         return shards
 
-    def _target(self, shards: dict[str, WeightShard], name: str, tensor: torch.Tensor) -> WeightShard:
-        """Where ``name`` goes, after checking its (full, checkpoint) shape and dtype."""
+    def _target(self, shards: dict[str, tuple[WeightShard, ...]], name: str,
+                tensor: torch.Tensor) -> tuple[WeightShard, ...]:
+        """Where ``name`` goes (its pieces), after checking its (full, checkpoint) shape and dtype."""
         if not isinstance(tensor, torch.Tensor):
             raise ModelLoadError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         if name not in shards:
             raise ModelLoadError(f"unexpected weight {name!r}: no such parameter in this {self.config.architecture} model")
-        shard = shards[name]
-        if tuple(tensor.shape) != shard.shape:
-            raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {shard.shape}")
+        pieces = shards[name]
+        if tuple(tensor.shape) != pieces[0].shape:
+            raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {pieces[0].shape}")
         if not tensor.is_floating_point():
             raise ModelLoadError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
-        return shard
+        return pieces
 
     def _check_complete(self, shards: dict, loaded: set[str]) -> None:
         missing = sorted(set(shards) - loaded)
@@ -289,8 +312,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied head: some checkpoints store the copy anyway
-            shard = self._target(shards, name, tensor)
-            shard.param.narrow(0, shard.row, shard.rows).copy_(shard.source(tensor), non_blocking=False)
+            for shard in self._target(shards, name, tensor):
+                shard.param.narrow(0, shard.row, shard.rows).copy_(shard.source(tensor), non_blocking=False)
             loaded.add(name)
         if require_all:
             self._check_complete(shards, loaded)
