@@ -271,3 +271,15 @@ def test_race_and_sort_paths_sample_the_same_distribution():
         rows = x.repeat(4000, 1)
         counts = sum(torch.bincount(sampler(rows, [params] * 4000, [None] * 4000), minlength=20) for _ in range(5))
         assert (counts / counts.sum() - want).abs().max().item() < 0.015, params
+
+
+def test_min_p_filters_before_top_p_as_vllm_does():
+    """vLLM applies min-p to the whole tempered distribution, then top-k/top-p to what is left. With
+    probabilities 0.4, 0.3, 0.2, 0.1, min_p=0.3 drops 0.1 (below 0.12); top_p=0.75 on the renormalised
+    rest then drops 0.2 (the mass before it, 0.7 / 0.9 = 0.78, reaches 0.75). The other order keeps 0.2:
+    top_p on the original sees 0.7 before it, and min-p's bar is then 0.3 * 0.4 / 0.9 = 0.13."""
+    from tidyrun.sampling import Sampler
+
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    probs = Sampler().probabilities(logits, [SamplingParams(temperature=1.0, min_p=0.3, top_p=0.75)])[0]
+    assert torch.allclose(probs, torch.tensor([0.4, 0.3, 0.0, 0.0]) / 0.7, atol=1e-6)

@@ -16,8 +16,8 @@ class Sampler:
     """Turns a batch of logits into one token per row.
 
     Greedy rows are an exact argmax. Other rows are scaled by temperature,
-    filtered by top-k, then top-p, then min-p (each on the distribution the
-    previous filter left, as transformers does), and sampled with the row's own
+    filtered by min-p (against the most likely token), then top-k, then top-p
+    (on the distribution the previous filters left), vLLM's order, and sampled with the row's own
     ``torch.Generator`` so a seeded request draws the same tokens whatever
     else is in the batch. A row with no filter (the RL rollout default:
     top_k, top_p, min_p all off) skips the sort of the vocabulary: it takes
@@ -77,6 +77,10 @@ class Sampler:
         dev = sub.device
         temps = torch.tensor([p.temperature for p in params], device=dev, dtype=sub.dtype)
         sorted_logits, order = (sub / temps[:, None]).sort(dim=-1, descending=True)
+        # min-p first, on the whole tempered distribution, then top-k, then top-p on what is left: vLLM's order.
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=sub.dtype)
+        probs = sorted_logits.softmax(dim=-1)
+        sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
         rank = torch.arange(sorted_logits.shape[-1], device=dev)[None, :]
         top_k = torch.tensor([p.top_k if p.top_k > 0 else sub.shape[-1] for p in params], device=dev)
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
@@ -86,9 +90,6 @@ class Sampler:
         # top_p = 1 keep everything: their cumulative sum can round to 1 before the tail.
         drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=sub.dtype)
-        probs = sorted_logits.softmax(dim=-1)
-        sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
         if keep_logits:
             return sorted_logits.softmax(dim=-1), order, sorted_logits
         return sorted_logits.softmax(dim=-1), order
