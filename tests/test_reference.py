@@ -54,6 +54,9 @@ def test_default_gguf_raw_prompt_matches_transformers(llm, hf_default_model):
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                "rope_theta": 500000.0}, None),
+    # yarn: every frequency changes and cos/sin are scaled (transformers' own arithmetic, through the loader)
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+               "max_position_embeddings": 128}, None),
 ])
 def test_tiny_hf_checkpoint_matches_transformers(tmp_path, hf_tokenizer_dir, arch, overrides, shard):
     from transformers import AutoModelForCausalLM

@@ -20,13 +20,13 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 class RopeScaling:
     """RoPE frequency scaling as declared by a checkpoint (HF ``rope_scaling``)."""
 
-    rope_type: str  # "linear", "llama3" or "longrope" (Phi-3's; its short factors, see layers.rope_inv_freq)
+    rope_type: str  # "linear", "llama3", or "yarn" / "dynamic" / "longrope" (computed by transformers)
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    short_factor: tuple[float, ...] = ()  # longrope: one divisor per frequency
-    attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
+    inv_freq: tuple[float, ...] = ()  # the inverse frequencies themselves, when transformers computed them
+    attention_factor: float = 1.0  # cos and sin are scaled by it (yarn, longrope)
 
 
 @dataclass(frozen=True)

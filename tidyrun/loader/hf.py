@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Iterator
 from types import MappingProxyType
@@ -50,18 +49,29 @@ def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
             float(scaling.get("high_freq_factor", 4.0)),
             int(scaling.get("original_max_position_embeddings", 8192)),
         )
-    if rope_type in ("longrope", "su"):  # Phi-3 ("su" in its first configs); transformers' own arithmetic
-        original = int(scaling.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
-                       or raw.get("max_position_embeddings", 2048))
-        factor = float(scaling.get("factor") or raw.get("max_position_embeddings", original) / original)
-        attention = scaling.get("attention_factor")
-        if attention is None:
-            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        return theta, RopeScaling("longrope", factor, original_max_position_embeddings=original,
-                                  short_factor=tuple(float(f) for f in scaling["short_factor"]),
-                                  attention_factor=float(attention))
+    if rope_type in ("yarn", "dynamic", "longrope", "su"):  # "su": Phi-3's first name for longrope
+        return theta, _rope_from_transformers(raw, "longrope" if rope_type == "su" else rope_type)
     raise UnsupportedModelError(
-        f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3, longrope)")
+        f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3, yarn, dynamic, longrope)")
+
+
+def _rope_from_transformers(raw: dict, rope_type: str) -> RopeScaling:
+    """transformers' own inverse frequencies and cos/sin factor for this config, as its model computes them
+    for a sequence inside the original context (why not by hand: each variant is a page of arithmetic that
+    transformers already keeps equal to the reference implementations)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    try:
+        hf = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+        inv_freq, attention = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    except Exception as exc:  # noqa: BLE001 - a malformed rope_scaling; name it
+        raise ModelLoadError(f"cannot compute {rope_type} RoPE from the config: {type(exc).__name__}: {exc}") from exc
+    params = getattr(hf, "rope_parameters", None) or {}
+    original = params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    return RopeScaling(rope_type, float(params.get("factor") or 1.0),
+                       original_max_position_embeddings=int(original or raw.get("max_position_embeddings", 2048)),
+                       inv_freq=tuple(float(f) for f in inv_freq.float().tolist()), attention_factor=float(attention))
 
 
 def config_from_hf(raw: dict, where: str) -> ModelConfig:

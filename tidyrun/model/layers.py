@@ -86,10 +86,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
-    if scaling.rope_type == "longrope":  # Phi-3 inside its original context: each frequency over its short factor
-        if len(scaling.short_factor) != head_dim // 2:
-            raise ValueError(f"longrope short_factor has {len(scaling.short_factor)} entries for head_dim {head_dim}")
-        return inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float32)
+    if scaling.inv_freq:  # yarn, dynamic, longrope: transformers' own values (loader.hf._rope_from_transformers)
+        if len(scaling.inv_freq) != head_dim // 2:
+            raise ValueError(f"{scaling.rope_type} RoPE has {len(scaling.inv_freq)} frequencies for head_dim {head_dim}")
+        return torch.tensor(scaling.inv_freq, dtype=torch.float32)
     # llama3: keep high frequencies, divide low ones by factor, blend in between.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -115,7 +115,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         scaling = cfg.rope_scaling
-        self._magnitude = scaling.attention_factor if scaling is not None and scaling.rope_type == "longrope" else 1.0
+        self._magnitude = 1.0 if scaling is None else scaling.attention_factor
         self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(0, device="meta"), persistent=False)
         self.register_buffer("sin", torch.empty(0, device="meta"), persistent=False)
