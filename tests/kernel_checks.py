@@ -17,8 +17,9 @@ from tidyrun.attention.metadata import list_tiles, tile_shape
 from tidyrun.model.layers import apply_rope
 
 
-def reference_attention(q, k_cache, v_cache, q_lens, seq_lens, tables, scale):
-    """Per-sequence dense causal GQA attention over keys gathered from the pages."""
+def reference_attention(q, k_cache, v_cache, q_lens, seq_lens, tables, scale, window=None):
+    """Per-sequence dense causal GQA attention over keys gathered from the pages (``window``: keys within
+    the last ``window`` positions only)."""
     out, start = [], 0
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     for n, total, table in zip(q_lens, seq_lens, tables):
@@ -27,13 +28,16 @@ def reference_attention(q, k_cache, v_cache, q_lens, seq_lens, tables, scale):
         qs = q[start:start + n].float()
         scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
         pos = torch.arange(total - n, total)[:, None]
-        scores = scores.masked_fill(torch.arange(total)[None, :] > pos, float("-inf"))
+        keys_at = torch.arange(total)[None, :]
+        scores = scores.masked_fill(keys_at > pos, float("-inf"))
+        if window is not None:
+            scores = scores.masked_fill(keys_at <= pos - window, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals))
         start += n
     return torch.cat(out)
 
 
-def check_attention(device, dtype, cases, seed=0, atol=2e-2, splits=(1, 4)):
+def check_attention(device, dtype, cases, seed=0, atol=2e-2, splits=(1, 4), windows=(None,)):
     rng = random.Random(seed)
     for heads, kv_heads, head_dim, block_size, q_lens, ctx_lens in cases:
         seq_lens = [c + n for n, c in zip(q_lens, ctx_lens)]
@@ -56,18 +60,19 @@ def check_attention(device, dtype, cases, seed=0, atol=2e-2, splits=(1, 4)):
             v_cache.view(-1, kv_heads, head_dim)[flat] = torch.randn(total, kv_heads, head_dim, generator=g)
         q = torch.randn(sum(q_lens), heads, head_dim, generator=g)
         scale = head_dim ** -0.5
-        expected = reference_attention(q, k_cache, v_cache, q_lens, seq_lens, tables, scale)
         block_q, block_m = tile_shape(heads // kv_heads, max(q_lens))
         tile_seq, tile_q0 = list_tiles(q_lens, block_q)
-        for n_split in (splits if block_q == 1 else (1,)):
-            _run_attention(device, dtype, q, k_cache, v_cache, tables, blocks_per_seq, q_lens, seq_lens, scale,
-                           block_q, block_m, tile_seq, tile_q0, n_split, expected, atol,
-                           f"{heads}/{kv_heads} heads, D={head_dim}, block {block_size}, q_lens {q_lens}, "
-                           f"ctx {ctx_lens}, splits {n_split}")
+        for window in windows:
+            expected = reference_attention(q, k_cache, v_cache, q_lens, seq_lens, tables, scale, window)
+            for n_split in (splits if block_q == 1 else (1,)):
+                _run_attention(device, dtype, q, k_cache, v_cache, tables, blocks_per_seq, q_lens, seq_lens, scale,
+                               block_q, block_m, tile_seq, tile_q0, n_split, expected, atol,
+                               f"{heads}/{kv_heads} heads, D={head_dim}, block {block_size}, q_lens {q_lens}, "
+                               f"ctx {ctx_lens}, splits {n_split}, window {window}", window)
 
 
 def _run_attention(device, dtype, q, k_cache, v_cache, tables, blocks_per_seq, q_lens, seq_lens, scale, block_q,
-                   block_m, tile_seq, tile_q0, splits, expected, atol, label):
+                   block_m, tile_seq, tile_q0, splits, expected, atol, label, window=None):
     from tidyrun.kernels.attention import paged_attention
 
     bt = torch.zeros(len(tables), max(blocks_per_seq) + 1, dtype=torch.int32)
@@ -79,7 +84,7 @@ def _run_attention(device, dtype, q, k_cache, v_cache, tables, blocks_per_seq, q
     paged_attention(q.to(dtype=dtype, **to), k_cache.to(dtype=dtype, **to), v_cache.to(dtype=dtype, **to), out,
                     torch.tensor(tile_seq, dtype=torch.int32, **to), torch.tensor(tile_q0, dtype=torch.int32, **to),
                     qsl.to(**to), torch.tensor(seq_lens, dtype=torch.int32, **to), bt.to(**to), scale,
-                    block_q, block_m, splits)
+                    block_q, block_m, splits, window)
     err = (out.float().cpu() - expected).abs().max().item()
     assert err <= atol, f"attention {label}: max error {err}"
 
@@ -158,6 +163,13 @@ ATTENTION_CASES = (
     (8, 8, 32, 8, [70], [0]),                       # MHA, a prefill spanning several tiles
     (8, 1, 128, 32, [1, 3], [100, 64]),             # MQA, speculative-style multi-token decode
     (32, 8, 64, 16, [1] * 5, [1, 2, 200, 31, 32]),  # Llama-1B shape
+)
+# Sliding windows (checked with several widths): a window inside one tile, across tiles and pages, wider
+# than the context, and decode rows whose window starts mid-page (split or not).
+WINDOW_CASES = (
+    (4, 2, 32, 16, [1, 1, 1], [15, 16, 90]),
+    (9, 3, 64, 16, [7, 1, 20], [0, 33, 5]),
+    (8, 8, 32, 8, [70], [0]),
 )
 FUSED_SHAPES = ((1, 64, 4, 2, 16), (5, 96, 9, 3, 64), (17, 256, 4, 4, 32), (3, 128, 2, 2, 80))
 

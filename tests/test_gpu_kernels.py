@@ -32,6 +32,8 @@ def test_attention_matches_reference(dtype):
     atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     kc.check_attention("cuda", dtype, kc.ATTENTION_CASES, atol=atol, splits=(1, 2, 16))
     kc.check_attention("cuda", dtype, random_attention_cases(12), seed=1, atol=atol, splits=(1, 8))
+    kc.check_attention("cuda", dtype, kc.WINDOW_CASES + tuple(random_attention_cases(6)), seed=2, atol=atol,
+                       splits=(1, 8), windows=(1, 7, 64, 512))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -34,10 +34,11 @@ def _masked_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                              meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """Attention output [T, heads, head_dim] for flat queries q [T, heads, head_dim].
 
-    k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim].
+    k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim]. ``window``
+    (sliding-window layers): a query at position p sees keys p - window < k <= p.
     """
     head_dim = q.shape[2]
     batch = meta.block_tables.shape[0]
@@ -53,12 +54,16 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     mask = (key_pos[None, None, :] <= meta.q_positions[:, :, None]) & (
         key_pos[None, None, :] < meta.seq_lens[:, None, None]
     )
+    if window is not None:
+        mask &= key_pos[None, None, :] > meta.q_positions[:, :, None] - window
     return _masked_attention(q[meta.q_index], keys, values, mask, scale)[meta.q_valid]
 
 
 def causal_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int | None = None) -> torch.Tensor:
     """KV-free causal attention of complete sequences: keys are this step's own tokens."""
     pos = meta.q_positions
     mask = (pos[:, None, :] <= pos[:, :, None]) & meta.q_valid[:, None, :]
+    if window is not None:
+        mask &= pos[:, None, :] > pos[:, :, None] - window
     return _masked_attention(q[meta.q_index], k[meta.q_index], v[meta.q_index], mask, scale)[meta.q_valid]

@@ -16,8 +16,11 @@ The host lists the tiles (``tile_seq``, ``tile_q0``); for a decode batch they
 are simply ``arange(batch)`` and ``0``, which is what CUDA graphs capture.
 Query token ``j`` of a sequence with ``q_len`` new tokens and ``seq_len``
 tokens in all sits at position ``seq_len - q_len + j`` and sees keys
-``0..position`` (causal). A sequence with ``seq_len == 0`` (CUDA-graph
-padding) produces zeros.
+``0..position`` (causal), or with a sliding window ``W`` (a per-layer
+argument) keys ``position - W + 1..position``: the tile starts reading at
+the first key its first query sees, so a windowed layer reads at most
+``W + BLOCK_Q - 1`` keys per tile whatever the context. A sequence with
+``seq_len == 0`` (CUDA-graph padding) produces zeros.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ import triton.language as tl
 
 # Log2(e): the kernel works in base 2 (exp2 is one instruction).
 _LOG2E = 1.4426950408889634
+# The window of a layer without one: wider than any context, so every causal key is visible.
+_NO_WINDOW = 1 << 30
 
 
 @triton.jit
 def _attend_keys(q, q_pos, start, kv_end, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok,
-                 scale_log2, stride_c_blk, stride_c_slot, stride_c_head,
+                 scale_log2, window, stride_c_blk, stride_c_slot, stride_c_head,
                  KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) of the tile's sequence."""
     keys = start + tl.arange(0, BLOCK_N)
@@ -45,7 +50,8 @@ def _attend_keys(q, q_pos, start, kv_end, m_i, l_i, acc, bt_row, k_cache_ptr, v_
     kv_mask = key_ok[:, None] & dim_ok[None, :]
     k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where((keys[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
+    visible = (keys[None, :] <= q_pos[:, None]) & (keys[None, :] > q_pos[:, None] - window) & key_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -59,7 +65,7 @@ def _attend_keys(q, q_pos, start, kv_end, m_i, l_i, acc, bt_row, k_cache_ptr, v_
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     tile_seq_ptr, tile_q0_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2,
+    scale_log2, window,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -94,23 +100,24 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = first_pos + tl.minimum(q0 + BLOCK_Q, q_len)  # keys visible to the tile's last query
+    kv_lo = tl.maximum(first_pos + q0 - window + 1, 0)  # the first key the tile's first query sees
     # With SPLITS > 1 (decode) each program takes one contiguous share of the keys: flash-decoding.
-    chunk = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_end - kv_lo, 0), SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_lo + split * chunk
     hi = tl.minimum(kv_end, lo + chunk)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if WHILE_LOOP:  # Triton's interpreter cannot run a for loop whose bound was loaded from memory
         start = lo
         while start < hi:
             m_i, l_i, acc = _attend_keys(q, q_pos, start, hi, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr,
-                                         kv_head, dims, dim_ok, scale_log2, stride_c_blk, stride_c_slot,
-                                         stride_c_head, KV_BLOCK, BLOCK_N, DOT_PRECISION)
+                                         kv_head, dims, dim_ok, scale_log2, window, stride_c_blk,
+                                         stride_c_slot, stride_c_head, KV_BLOCK, BLOCK_N, DOT_PRECISION)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, q_pos, start, hi, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr,
-                                         kv_head, dims, dim_ok, scale_log2, stride_c_blk, stride_c_slot,
-                                         stride_c_head, KV_BLOCK, BLOCK_N, DOT_PRECISION)
+                                         kv_head, dims, dim_ok, scale_log2, window, stride_c_blk,
+                                         stride_c_slot, stride_c_head, KV_BLOCK, BLOCK_N, DOT_PRECISION)
     mask = row_ok[:, None] & dim_ok[None, :]
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -144,7 +151,7 @@ def _combine_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_heads, stride
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     tile_seq: torch.Tensor, tile_q0: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, block_q: int,
-                    block_m: int, splits: int = 1) -> torch.Tensor:
+                    block_m: int, splits: int = 1, window: int | None = None) -> torch.Tensor:
     """Write attention of ``q`` [T, heads, D] over the paged cache into ``out`` [T, heads, D].
 
     k_cache/v_cache: [num_blocks, block_size, kv_heads, D] (any strides over
@@ -154,6 +161,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sequence's keys among that many programs and combines their partial
     softmaxes in a second kernel: a decode batch too small to fill the GPU
     with one program per (sequence, KV head) still reads its keys in parallel.
+    ``window``: a sliding-window layer's width (None: the whole context).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, kv_block = k_cache.shape[2], k_cache.shape[1]
@@ -171,7 +179,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (tile_seq.shape[0], kv_heads, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, tile_seq, tile_q0, query_start_loc, seq_lens, block_tables,
-        scale * _LOG2E,
+        scale * _LOG2E, _NO_WINDOW if window is None else int(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,

@@ -78,8 +78,9 @@ class TorchOps:
         return q, k, v
 
     def attention(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
-        return paged_attention_reference(q, kv[0], kv[1], meta, scale)
+                  scale: float, window: int | None = None) -> torch.Tensor:
+        """Paged attention; ``window``: a sliding-window layer's width (None: the whole context)."""
+        return paged_attention_reference(q, kv[0], kv[1], meta, scale, window)
 
 
 class TritonOps(TorchOps):
@@ -160,9 +161,9 @@ class TritonOps(TorchOps):
         return split_heads(qkv, shape)
 
     def attention(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         return self._attn.paged_attention(q, kv[0], kv[1], out, meta.tile_seq, meta.tile_q0, meta.query_start_loc,
                                           meta.seq_lens, meta.block_tables, scale, meta.block_q, meta.block_m,
-                                          meta.splits)
+                                          meta.splits, window)
 
