@@ -24,6 +24,12 @@ ARCHS = {
     "phi3": dict(arch="phi3", max_position_embeddings=1024, original_max_position_embeddings=256,
                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+    # Gemma 3: a windowed layer (window 8, shorter than the prompts plus their outputs; local RoPE base) and a
+    # global one (its own base, linear scaling); (1 + w) norms, four per layer; GeGLU; scaled embeddings.
+    "gemma3": dict(arch="gemma3_text", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 
 

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,11 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj already fused
+    # Gemma 3: each layer's sliding window (0: global attention), the RoPE base of the windowed layers, and the
+    # query scaling's denominator (scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5).
+    sliding_windows: tuple[int, ...] = ()
+    rope_local_theta: float = 10000.0
+    query_pre_attn_scalar: float | None = None
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -70,6 +75,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_windows and (len(self.sliding_windows) != self.num_layers
+                                     or any(w < 0 for w in self.sliding_windows)):
+            raise UnsupportedModelError(f"sliding_windows needs one width >= 0 per layer ({self.num_layers}), "
+                                        f"got {self.sliding_windows}")
 
     @property
     def q_size(self) -> int:

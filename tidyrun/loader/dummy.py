@@ -39,6 +39,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= ({pre + "self_attn.qkv_proj.bias": (q + 2 * kv,)} if cfg.fused_checkpoint else
                        {pre + "self_attn.q_proj.bias": (q,), pre + "self_attn.k_proj.bias": (kv,),
                         pre + "self_attn.v_proj.bias": (kv,)})
+        if cfg.architecture == "gemma3":
+            shapes |= {pre + "pre_feedforward_layernorm.weight": (h,), pre + "post_feedforward_layernorm.weight": (h,)}
         if cfg.qk_norm:
             shapes |= {pre + "self_attn.q_norm.weight": (cfg.head_dim,), pre + "self_attn.k_norm.weight": (cfg.head_dim,)}
     shapes["model.norm.weight"] = (h,)

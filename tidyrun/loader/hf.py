@@ -15,7 +15,7 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 
 _MODEL_TYPES = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                                 "phi3": "phi3"})
+                                 "phi3": "phi3", "gemma3_text": "gemma3"})
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -74,9 +74,36 @@ def _rope_from_transformers(raw: dict, rope_type: str) -> RopeScaling:
                        inv_freq=tuple(float(f) for f in inv_freq.float().tolist()), attention_factor=float(attention))
 
 
+def _gemma3(raw: dict, where: str) -> tuple[dict, dict]:
+    """Gemma 3's extra fields, and the config as the global layers read it (their RoPE base and scaling)."""
+    if raw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"hidden_activation {raw['hidden_activation']!r} in {where!r} is not supported")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(cap) is not None:
+            raise UnsupportedModelError(f"{cap} in {where!r} is not supported (Gemma 2 style softcapping)")
+    layers = int(raw["num_hidden_layers"])
+    kinds = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % int(raw.get("sliding_window_pattern", 6)) == 0 else "sliding_attention"
+        for i in range(layers)]
+    window = int(raw.get("sliding_window") or 0)
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one RoPE per layer kind
+        global_raw = {k: v for k, v in raw.items() if k != "rope_scaling"} | {"rope_parameters": params["full_attention"]}
+        local_theta = float(params.get("sliding_attention", {}).get("rope_theta", 10000.0))
+    else:
+        global_raw, local_theta = raw, float(raw.get("rope_local_base_freq", 10000.0))
+    extra = dict(sliding_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
+                 rope_local_theta=local_theta,
+                 query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or raw.get("head_dim") or 256))
+    return extra, global_raw
+
+
 def config_from_hf(raw: dict, where: str) -> ModelConfig:
     """Translate a transformers config.json dict into a ModelConfig."""
     model_type = raw.get("model_type")
+    if model_type == "gemma3":
+        raise UnsupportedModelError(f"{where!r} is a multimodal Gemma 3 checkpoint; tidyrun runs Gemma 3's text "
+                                    "models (model_type gemma3_text, e.g. gemma-3-1b)")
     if model_type not in _MODEL_TYPES:
         raise UnsupportedModelError(
             f"model_type {model_type!r} in {where!r} is not supported; supported: {', '.join(sorted(_MODEL_TYPES))}"
@@ -84,7 +111,8 @@ def config_from_hf(raw: dict, where: str) -> ModelConfig:
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        theta, scaling = _rope(raw)
+        extra, rope_raw = _gemma3(raw, where) if model_type == "gemma3_text" else ({}, raw)
+        theta, scaling = _rope(rope_raw)
         max_pos = int(raw.get("max_position_embeddings", 2048))
         window = raw.get("sliding_window")
         if window and raw.get("use_sliding_window", model_type in ("mistral", "phi3")) and int(window) < max_pos:
@@ -113,10 +141,11 @@ def config_from_hf(raw: dict, where: str) -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "gemma3_text")),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             fused_checkpoint=model_type == "phi3",
+            **extra,
             rope_scaling=scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -111,10 +111,12 @@ class RotaryEmbedding(nn.Module):
     it on a device, ``release`` drops it (sleep); both are the runner's calls.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, theta: float | None = None,
+                 scaling: RopeScaling | None | str = "config"):
+        """``theta``/``scaling``: another base and scaling than the config's (Gemma 3's windowed layers)."""
         super().__init__()
-        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        scaling = cfg.rope_scaling
+        scaling = cfg.rope_scaling if isinstance(scaling, str) else scaling
+        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta if theta is None else theta, scaling)
         self._magnitude = 1.0 if scaling is None else scaling.attention_factor
         self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(0, device="meta"), persistent=False)

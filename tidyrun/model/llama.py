@@ -85,6 +85,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
+        self.window: int | None = None  # a sliding-window layer's width (Gemma 3 sets it)
         self._ctx = ctx
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -103,9 +104,9 @@ class LlamaAttention(nn.Module):
             qkv = self._norm_heads(qkv)
         q, k, v = self._ops.rope_and_store(qkv, rope, (self.num_heads, self.num_kv_heads, self.head_dim), kv, meta)
         if kv is None:  # KV-free (pooling): complete sequences, nothing cached
-            out = causal_attention_dense(q, k, v, meta, self.scale)
+            out = causal_attention_dense(q, k, v, meta, self.scale, self.window)
         else:
-            out = self._ops.attention(q, kv, meta, self.scale)
+            out = self._ops.attention(q, kv, meta, self.scale, self.window)
         out = self.o_proj(out.reshape(tokens, self.q_size))
         return out if self._tp is None else self._tp.all_reduce(out)
 
@@ -140,13 +141,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class, norm_class = LlamaDecoderLayer, RMSNorm  # a variant's subclass names its own
+
     def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, ops: TorchOps, dtype,
                  shard: TPShard, tp=None):
         super().__init__()
         self.embed_tokens = Embedding(shard.vocab_size, cfg.hidden_size, dtype, shard.vocab[0], tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, ops, dtype, shard, tp)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, ctx, ops, dtype, shard, tp)
                                     for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
 
@@ -169,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
     over (tensor parallelism); the default is the whole model, no group.
     """
 
+    model_class = LlamaModel  # the decoder stack (a variant's subclass names its own)
+
     def __init__(self, cfg: ModelConfig, max_positions: int, ctx: ForwardContext, dtype: torch.dtype,
                  ops: TorchOps | None = None, shard: TPShard | None = None, tp=None):
         super().__init__()
@@ -177,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.shard = shard or TPShard.of(cfg)
         self._tp = tp
         self._vocab_sizes = [split_range(cfg.vocab_size, self.shard.world, r)[1] for r in range(self.shard.world)]
-        self.model = LlamaModel(cfg, max_positions, ctx, self.ops, dtype, self.shard, tp)
+        self.model = self.model_class(cfg, max_positions, ctx, self.ops, dtype, self.shard, tp)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, self.shard.vocab_size, False, self.ops, dtype))
 
@@ -185,6 +190,10 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] for flat token ids [T] at ``positions``."""
         state = self.run_layers(self.embed(input_ids, positions), kv_cache, 0, len(self.model.layers))
         return self.final_norm(state)
+
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        """The RoPE tables the runner builds on the device (and releases when the weights sleep)."""
+        return [self.model.rotary]
 
     # The forward in three parts, so that a CUDA graph manager can capture it in pieces.
 

@@ -168,14 +168,16 @@ class Rope(Component):
         self._weights, self._ledger = weights, ledger
 
     def acquire(self) -> None:
-        rotary = self._weights.model.model.rotary
-        rotary.build(self._weights.device)
-        self._ledger.track(self.owner, "rope.cos", rotary.cos)
-        self._ledger.track(self.owner, "rope.sin", rotary.sin)
+        for i, rotary in enumerate(self._weights.model.rotary_tables()):  # Gemma 3 has a second, local table
+            rotary.build(self._weights.device)
+            name = "rope" if i == 0 else f"rope{i}"
+            self._ledger.track(self.owner, f"{name}.cos", rotary.cos)
+            self._ledger.track(self.owner, f"{name}.sin", rotary.sin)
 
     def release(self) -> None:
         if self._weights.model is not None:
-            self._weights.model.model.rotary.release()
+            for rotary in self._weights.model.rotary_tables():
+                rotary.release()
 
 
 class KVCacheRow(Component):

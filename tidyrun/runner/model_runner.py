@@ -41,6 +41,7 @@ from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestEr
                       ResourceLeakError, WeightsNotLoadedError)
 from ..loader import ModelSource
 from ..model.llama import LlamaForCausalLM
+from ..model.registry import model_class
 from ..model.ops import TorchOps, TritonOps
 from ..model.sharding import TPShard
 from ..report import ShutdownReport
@@ -133,8 +134,8 @@ class ModelRunner:
 
     def _build_model(self) -> LlamaForCausalLM:
         """The model skeleton on the meta device; the weights row places its parameters."""
-        return LlamaForCausalLM(self.model_config, self.max_model_len, self.ctx, self.dtype, self.ops, self.shard,
-                                self.tp_group)
+        return model_class(self.model_config)(self.model_config, self.max_model_len, self.ctx, self.dtype, self.ops,
+                                              self.shard, self.tp_group)
 
     def _make_step_inputs(self) -> StepInputs:
         mc, cfg = self.model_config, self.config
