@@ -91,6 +91,82 @@ def test_tensor_parallel_matches_one_rank(checkpoint):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+GEMMA3_GGUF = dict(arch="gemma3_text", head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=6,
+                   layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=256,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+@pytest.mark.parametrize("name,kw", [("qwen3", ARCHS["qwen3"]), ("gemma3", GEMMA3_GGUF)])
+def test_gguf_reads_as_the_hf_folder(tmp_path, hf_tokenizer_dir, name, kw):
+    """A GGUF written with the gguf package's own HF -> GGUF name map (float32, with llama.cpp's conventions:
+    Gemma's norm weights stored as 1 + w, its layer pattern and local RoPE base implied) gives the same config
+    and the same HF-named tensors as the Hugging Face folder it came from."""
+    import json
+    import os
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from tidyrun.loader import open_model_source
+    from tidyrun.loader.gguf import GGUFSource
+
+    folder = write_tiny_checkpoint(str(tmp_path / "hf"), hf_tokenizer_dir, perturb_vectors=True, **kw)
+    raw = json.load(open(os.path.join(folder, "config.json")))
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    path = str(tmp_path / f"tiny-{name}.gguf")
+    arch = gguf.MODEL_ARCH.QWEN3 if name == "qwen3" else gguf.MODEL_ARCH.GEMMA3
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_block_count(raw["num_hidden_layers"])
+    writer.add_context_length(raw["max_position_embeddings"])
+    writer.add_embedding_length(raw["hidden_size"])
+    writer.add_feed_forward_length(raw["intermediate_size"])
+    writer.add_head_count(raw["num_attention_heads"])
+    writer.add_head_count_kv(raw["num_key_value_heads"])
+    writer.add_key_length(raw["head_dim"])
+    writer.add_value_length(raw["head_dim"])
+    writer.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    writer.add_vocab_size(raw["vocab_size"])
+    rope = raw.get("rope_parameters") or {}
+    if name == "gemma3":
+        writer.add_sliding_window(raw["sliding_window"])
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    else:
+        writer.add_rope_freq_base(raw.get("rope_theta", rope.get("rope_theta", 1e6)))
+    names = gguf.get_tensor_name_map(arch, raw["num_hidden_layers"])
+    for hf_name, tensor in weights.items():
+        data = tensor.float()
+        if name == "gemma3" and hf_name.endswith("norm.weight"):
+            data = data + 1.0
+        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), data.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    source, reference = GGUFSource(path), open_model_source(folder)
+    for field in ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias", "qk_norm", "rope_theta",
+                  "rope_scaling", "sliding_windows", "rope_local_theta", "query_pre_attn_scalar"):
+        assert getattr(source.config, field) == getattr(reference.config, field), field
+    got = dict(source.iter_weights())
+    assert got.keys() == weights.keys()
+    for hf_name, tensor in weights.items():
+        assert torch.allclose(got[hf_name], tensor.float(), atol=1e-6, rtol=0), hf_name
+
+
+def test_tensor_parallel_matches_one_rank(checkpoint):
+    """Split over 2 CPU ranks (heads and intermediate channels; per-head norms replicated): same logits."""
+    with LLM(checkpoint, device="cpu", dtype="float32") as single:
+        ids = single.tokenizer.encode(PROMPTS[0])
+        want = single.compute_logits(ids)
+    with LLM(checkpoint, device="cpu", dtype="float32", tensor_parallel_size=2) as split:
+        got = split.compute_logits(ids)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
 def test_qwen3_gguf_reads_as_the_hf_folder(tmp_path, hf_tokenizer_dir):
     """A Qwen3 GGUF (written with the gguf package's own HF -> GGUF name map, float32) gives the same
     config and the same HF-named tensors as the Hugging Face folder it came from."""

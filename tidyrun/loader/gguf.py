@@ -18,7 +18,8 @@ from ..errors import ModelLoadError, UnsupportedModelError
 from ..tokenizer import Tokenizer
 
 # GGUF architecture name -> tidyrun architecture. Mistral GGUFs say "llama".
-_ARCHITECTURES = MappingProxyType({"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"})
+_ARCHITECTURES = MappingProxyType({"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+                                   "gemma3": "gemma3"})
 
 # Per-layer tensor suffix in GGUF -> HF suffix under model.layers.N.
 _LAYER_NAMES = MappingProxyType({
@@ -37,6 +38,15 @@ _LAYER_NAMES = MappingProxyType({
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 })
+# Gemma 3 names its norms differently: ffn_norm is the norm before the MLP, and two more follow the sublayers.
+_GEMMA3_LAYER_NAMES = MappingProxyType(dict(_LAYER_NAMES) | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+})
+# What llama.cpp does not store for Gemma 3 and hard-codes: every 6th layer global, the windowed layers' RoPE base.
+_GEMMA3_GLOBAL_EVERY = 6
+_GEMMA3_LOCAL_THETA = 10000.0
 _GLOBAL_NAMES = MappingProxyType({
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -102,13 +112,23 @@ class GGUFSource:
                 raise UnsupportedModelError(f"GGUF rope scaling type {scaling_type!r} is not supported")
             scaling = RopeScaling("linear", float(_field(reader, f"{a}.rope.scaling.factor")))
         eos = _field(reader, "tokenizer.ggml.eos_token_id", required=False)
+        layers = int(_field(reader, f"{a}.block_count"))
+        extra = {}
+        if a == "gemma3":
+            window = int(_field(reader, f"{a}.attention.sliding_window"))
+            head_dim = int(_field(reader, f"{a}.attention.key_length", default=hidden // heads))
+            # llama.cpp's rule: the 27B model (62 layers) scales queries by hidden / heads, the others by head_dim.
+            extra = dict(sliding_windows=tuple(0 if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else window
+                                               for i in range(layers)),
+                         rope_local_theta=_GEMMA3_LOCAL_THETA,
+                         query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim))
         try:
             return ModelConfig(
                 architecture=_ARCHITECTURES[a],
                 vocab_size=int(vocab),
                 hidden_size=hidden,
                 intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-                num_layers=int(_field(reader, f"{a}.block_count")),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", default=heads)),
                 head_dim=int(_field(reader, f"{a}.attention.key_length", default=hidden // heads)),
@@ -118,6 +138,7 @@ class GGUFSource:
                 tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
                 attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
                 qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
+                **extra,
                 rope_scaling=scaling,
                 bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", required=False),
                 eos_token_ids=() if eos is None else (int(eos),),
@@ -129,8 +150,9 @@ class GGUFSource:
         if name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[name]
         parts = name.split(".", 2)
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-            return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+        layer_names = _GEMMA3_LAYER_NAMES if self.config.architecture == "gemma3" else _LAYER_NAMES
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+            return f"model.layers.{int(parts[1])}.{layer_names[parts[2]]}"
         raise ModelLoadError(f"GGUF tensor {name!r} in {self.path!r} has no known meaning for a Llama-family model")
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -151,6 +173,8 @@ class GGUFSource:
             if int(np.prod(array.shape)) != int(np.prod(shape)):
                 raise ModelLoadError(f"tensor {t.name!r} holds {array.size} values, its header says {shape}")
             w = torch.tensor(np.asarray(array, dtype=np.float32).reshape(shape))  # copies out of the read-only map
+            if cfg.architecture == "gemma3" and t.name.endswith("norm.weight"):
+                w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added (as transformers reads them)
             if cfg.architecture in ("llama", "mistral"):
                 if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
                     w = _unpermute(w, cfg.num_heads)
