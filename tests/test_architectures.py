@@ -157,63 +157,6 @@ def test_gguf_reads_as_the_hf_folder(tmp_path, hf_tokenizer_dir, name, kw):
         assert torch.allclose(got[hf_name], tensor.float(), atol=1e-6, rtol=0), hf_name
 
 
-def test_tensor_parallel_matches_one_rank(checkpoint):
-    """Split over 2 CPU ranks (heads and intermediate channels; per-head norms replicated): same logits."""
-    with LLM(checkpoint, device="cpu", dtype="float32") as single:
-        ids = single.tokenizer.encode(PROMPTS[0])
-        want = single.compute_logits(ids)
-    with LLM(checkpoint, device="cpu", dtype="float32", tensor_parallel_size=2) as split:
-        got = split.compute_logits(ids)
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
-
-
-def test_qwen3_gguf_reads_as_the_hf_folder(tmp_path, hf_tokenizer_dir):
-    """A Qwen3 GGUF (written with the gguf package's own HF -> GGUF name map, float32) gives the same
-    config and the same HF-named tensors as the Hugging Face folder it came from."""
-    import json
-    import os
-
-    import gguf
-    from safetensors.torch import load_file
-
-    from tidyrun.loader import open_model_source
-    from tidyrun.loader.gguf import GGUFSource
-
-    folder = write_tiny_checkpoint(str(tmp_path / "hf"), hf_tokenizer_dir, perturb_vectors=True, **ARCHS["qwen3"])
-    raw = json.load(open(os.path.join(folder, "config.json")))
-    weights = load_file(os.path.join(folder, "model.safetensors"))
-    path = str(tmp_path / "tiny-qwen3.gguf")
-    writer = gguf.GGUFWriter(path, "qwen3")
-    writer.add_block_count(raw["num_hidden_layers"])
-    writer.add_context_length(raw["max_position_embeddings"])
-    writer.add_embedding_length(raw["hidden_size"])
-    writer.add_feed_forward_length(raw["intermediate_size"])
-    writer.add_head_count(raw["num_attention_heads"])
-    writer.add_head_count_kv(raw["num_key_value_heads"])
-    writer.add_key_length(raw["head_dim"])
-    writer.add_value_length(raw["head_dim"])
-    writer.add_layer_norm_rms_eps(raw["rms_norm_eps"])
-    writer.add_rope_freq_base(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 1e6)))
-    writer.add_vocab_size(raw["vocab_size"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, raw["num_hidden_layers"])
-    for name, tensor in weights.items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-    source, reference = GGUFSource(path), open_model_source(folder)
-    assert source.config.qk_norm and source.config.architecture == "qwen3"
-    for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "vocab_size", "tie_word_embeddings", "attention_bias", "qk_norm"):
-        assert getattr(source.config, field) == getattr(reference.config, field), field
-    got = dict(source.iter_weights())
-    assert got.keys() == weights.keys()
-    for name, tensor in weights.items():
-        assert torch.equal(got[name], tensor.float()), name
-
-
 def test_dummy_weights_cover_every_parameter(checkpoint):
     """load_format="dummy" builds the same names and shapes the checkpoint has (fused, per-head norms)."""
     from safetensors.torch import load_file
