@@ -36,7 +36,9 @@ class Sampler:
         if not rows:
             return tokens
         vocab, dev = logits.shape[-1], logits.device
-        racing = [i for i in rows if unfiltered(params[i], vocab)]
+        racing, filtered = [], []
+        for i in rows:
+            (racing if unfiltered(params[i], vocab) else filtered).append(i)
         if racing:
             sub = logits if len(racing) == len(params) else logits[torch.tensor(racing, device=dev)]
             picks, _ = self.race(sub, *race_inputs(sub, [params[i] for i in racing],
@@ -44,7 +46,6 @@ class Sampler:
             if len(racing) == len(params):
                 return picks
             tokens[racing] = picks
-        filtered = [i for i in rows if not unfiltered(params[i], vocab)]
         if filtered:
             probs, order = self._sorted_filtered(logits[filtered].float(), [params[i] for i in filtered])
             picks = torch.stack([draw(probs[j], generators[i]) for j, i in enumerate(filtered)])

@@ -280,11 +280,14 @@ class GrammarCompiler:
         kind = spec.kind
         grammar = _grammar_text(spec)
         tokenizer = self._llguidance_tokenizer()
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+
+        def build() -> llguidance.LLMatcher:
+            return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+
+        matcher = build()
         if matcher.is_error():
             raise _invalid(_KIND_NAMES.get(kind, kind), matcher.get_error())
-        return CompiledGrammar(kind, grammar, matcher, lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0),
-                               self._threads)
+        return CompiledGrammar(kind, grammar, matcher, build, self._threads)
 
     def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:

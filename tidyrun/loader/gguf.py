@@ -113,10 +113,10 @@ class GGUFSource:
             scaling = RopeScaling("linear", float(_field(reader, f"{a}.rope.scaling.factor")))
         eos = _field(reader, "tokenizer.ggml.eos_token_id", required=False)
         layers = int(_field(reader, f"{a}.block_count"))
+        head_dim = int(_field(reader, f"{a}.attention.key_length", default=hidden // heads))
         extra = {}
         if a == "gemma3":
             window = int(_field(reader, f"{a}.attention.sliding_window"))
-            head_dim = int(_field(reader, f"{a}.attention.key_length", default=hidden // heads))
             # llama.cpp's rule: the 27B model (62 layers) scales queries by hidden / heads, the others by head_dim.
             extra = dict(sliding_windows=tuple(0 if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else window
                                                for i in range(layers)),
@@ -131,7 +131,7 @@ class GGUFSource:
                 num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", default=heads)),
-                head_dim=int(_field(reader, f"{a}.attention.key_length", default=hidden // heads)),
+                head_dim=head_dim,
                 rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon")),
                 rope_theta=float(_field(reader, f"{a}.rope.freq_base", default=10000.0)),
                 max_position_embeddings=int(_field(reader, f"{a}.context_length")),

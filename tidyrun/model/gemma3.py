@@ -46,11 +46,11 @@ class GemmaMLP(LlamaMLP):
 
 
 class GemmaAttention(LlamaAttention):
+    norm_class = GemmaRMSNorm  # the config always asks for q/k norms (loader.hf sets qk_norm)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, ops: TorchOps, dtype,
                  shard: TPShard, tp=None):
         super().__init__(cfg, layer_idx, ctx, ops, dtype, shard, tp)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.window = cfg.sliding_windows[layer_idx] or None
 

@@ -72,6 +72,8 @@ class WeightShard:
 
 
 class LlamaAttention(nn.Module):
+    norm_class = RMSNorm  # of the per-head q/k norms (Qwen3); a variant's subclass names its own
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: ForwardContext, ops: TorchOps, dtype,
                  shard: TPShard, tp=None):
         super().__init__()
@@ -83,8 +85,8 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops, dtype)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops, dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
+        self.q_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
+        self.k_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self.window: int | None = None  # a sliding-window layer's width (Gemma 3 sets it)
         self._ctx = ctx
 
