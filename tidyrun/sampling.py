@@ -144,7 +144,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
 
 
 def logprob_records(scores: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int],
-                    shift: torch.Tensor | None = None) -> list[tuple[int, float, int, list[int], list[float]]]:
+                    shift: torch.Tensor | None = None) -> list[tuple[int, float, int, tuple[int, ...], tuple[float, ...]]]:
     """Per row: (token, its score, its 1-based rank, the top-k ids, their scores), k = ``ks[row]``.
 
     ``scores`` [rows, vocab] are log-probabilities or logits; ``shift`` (a row's
@@ -162,5 +162,5 @@ def logprob_records(scores: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int
     # float64 holds every token id and rank exactly (< 2**53): one tensor, one copy to the host.
     packed = torch.cat([tokens[:, None].double(), value[:, None].double(), rank[:, None].double() + 1,
                         top_ids.double(), top_values.double()], dim=1).tolist()
-    return [(int(row[0]), row[1], int(row[2]), [int(t) for t in row[3:3 + n]], row[3 + k:3 + k + n])
+    return [(int(row[0]), row[1], int(row[2]), tuple(int(t) for t in row[3:3 + n]), tuple(row[3 + k:3 + k + n]))
             for row, n in zip(packed, ks)]

@@ -49,7 +49,7 @@ from ..resources import ResourceLedger, drop_traceback_locals, free_device_cache
 from ..logits_process import process_logits, stop_token_bans
 from ..sampling import Sampler, logprob_records
 from ..scheduler import ScheduledBatch
-from ..sequence import PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
+from ..sequence import NO_TOP, PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
 from ..spec_decode import accept_greedy, verify_drafts
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
 from .cuda_graphs import CudaGraphManager, default_capture_sizes
@@ -450,7 +450,7 @@ class ModelRunner:
         """Tokens and their raw log-probabilities and ranks from one race over the logits (the same tokens
         the sampler draws when other sequences of the step need processing)."""
         rows = self.sampler.sample_with_logprobs(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return [SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, rank, [], [])])
+        return [SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, rank, NO_TOP, NO_TOP)])
                 for s, (t, v, rank) in zip(seqs, rows)]
 
     def _greedy_with_logprobs(self, logits: torch.Tensor, greedy: torch.Tensor | None,
@@ -460,7 +460,7 @@ class ModelRunner:
         if greedy is None or greedy_logprob is None:
             greedy, greedy_logprob = self.ops.argmax_logprob(logits)
         tokens, values = greedy.tolist(), greedy_logprob.tolist()
-        return [SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, 1, [], [])])
+        return [SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, 1, NO_TOP, NO_TOP)])
                 for s, t, v in zip(seqs, tokens, values)]
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor | None,
