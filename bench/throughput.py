@@ -10,7 +10,8 @@ checkpoint in request order, in left-padded batches of ``--hf-batch-size``, each
 batch generating its longest output; only each request's own output tokens count.
 (b) ``llm.step()`` time with B requests decoding (prompt ``--decode-prompt-len``),
 median of ``--decode-steps`` steps, against the floor (weight bytes + KV bytes read
-per step) / ``--peak-bw``. Each engine runs alone on the device: tidyrun engines
+per step) / ``--peak-bw``; for a mixture of experts the weight bytes count only the
+experts routed to (``unrouted_expert_bytes``). Each engine runs alone on the device: tidyrun engines
 are shut down before the next starts, transformers runs last.
 
 The random-weight checkpoint (tidyrun.synthetic) is written to
@@ -122,6 +123,18 @@ def hf_throughput(ckpt: str, args: argparse.Namespace, work: Workload, warm: Wor
                 preemptions=0)
 
 
+def unrouted_expert_bytes(mc, batch: int, elem: int) -> int:
+    """Expert weight bytes a decode step of ``batch`` tokens need not read: for a mixture of experts, the
+    experts no token chose, in expectation under uniform routing (an expert escapes one token with
+    probability 1 - k/E; random weights route close to uniformly). 0 for dense models."""
+    if not mc.num_experts:
+        return 0
+    layers = sum(mc.is_moe_layer(i) for i in range(mc.num_layers))
+    per_expert = 3 * mc.hidden_size * mc.moe_intermediate_size * elem
+    unchosen = (1 - mc.num_experts_per_tok / mc.num_experts) ** batch
+    return int(layers * mc.num_experts * per_expert * unchosen)
+
+
 def decode_steps(ckpt: str, args: argparse.Namespace, mode: str) -> list[dict]:
     """Median ``llm.step()`` time with B requests all decoding, for each B in ``--batch-sizes``."""
     from tidyrun import SamplingParams
@@ -161,9 +174,10 @@ def decode_steps(ckpt: str, args: argparse.Namespace, mode: str) -> list[dict]:
                 llm.step()
             kv_bytes = b * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem
             step = statistics.median(times)
-            floor = (weight_bytes + kv_bytes) / args.peak_bw
+            read = weight_bytes - unrouted_expert_bytes(mc, b, elem)
+            floor = (read + kv_bytes) / args.peak_bw
             rows.append(dict(mode=mode, batch=b, median_step_ms=step * 1e3, mean_step_ms=statistics.fmean(times) * 1e3,
-                             tok_s=b / step, mean_context=ctx, weight_bytes=weight_bytes, kv_bytes_per_step=kv_bytes,
+                             tok_s=b / step, mean_context=ctx, weight_bytes=read, kv_bytes_per_step=kv_bytes,
                              floor_ms=floor * 1e3, floor_fraction=floor / step, steps_ms=[t * 1e3 for t in times]))
     finally:
         llm.shutdown()
@@ -247,7 +261,7 @@ def main() -> None:
     if decode:
         print(f"\n(b) decode step, prompt {args.decode_prompt_len}, median of {args.decode_steps} steps, "
               f"floor at {args.peak_bw / 1e12:.2f} TB/s")
-        print("| mode | batch | median step ms | mean step ms | tok/s | mean context | weights GB | KV GB/step "
+        print("| mode | batch | median step ms | mean step ms | tok/s | mean context | weights read GB | KV GB/step "
               "| floor ms | floor / measured |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in decode:

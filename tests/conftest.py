@@ -89,7 +89,7 @@ def write_tiny_checkpoint(out_dir: str, tokenizer_dir: str, arch: str = "llama",
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # default init is tiny; widen it so logits are far from uniform
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and experts stacked [E, out, in]
                 p.normal_(0, 0.2)
             elif perturb_vectors:
                 p.add_(torch.randn_like(p) * 0.2)

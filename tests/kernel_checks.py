@@ -241,3 +241,51 @@ def check_race(device, dtype, shapes=((1, 10000), (5, 4097), (3, 700)), block=51
             assert tokens[2].item() >= vocab // 2, "a masked token was drawn"
         again, none = race_sample(x, noise, scale, False, block=block)
         assert none is None and torch.equal(again, tokens), "race without logprobs"
+
+
+# (tokens, hidden, expert intermediate, experts, top-k, skew): skew > 0 draws routing from a few favourite
+# experts, so most experts get no token and a few get many.
+MOE_CASES = ((1, 32, 16, 8, 2, 0.0), (5, 48, 40, 8, 8, 0.0), (9, 64, 24, 16, 3, 4.0), (33, 32, 16, 12, 1, 8.0))
+
+
+def random_moe_cases(n, seed=0, max_tokens=300):
+    """Random MoE shapes in the issue's range: experts 8-128, top-k 1-8, sometimes heavily skewed."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        experts = rng.choice([8, 16, 60, 64, 128])
+        cases.append((rng.choice([1, 3, 16, 64, max_tokens]), rng.choice([128, 256, 576]), rng.choice([64, 96, 256]),
+                      experts, rng.randint(1, 8), rng.choice([0.0, 6.0])))
+    return tuple(cases)
+
+
+def check_moe(device, dtype, cases, seed=0):
+    """The grouped Triton experts (kernels.moe) against TorchOps' per-expert loop on the same routing;
+    the alignment leaves every entry once and experts nobody chose without blocks."""
+    from tidyrun.kernels.moe import align, block_rows, moe_experts
+    from tidyrun.model.moe import route
+    from tidyrun.model.ops import TorchOps
+
+    g = torch.Generator().manual_seed(seed)
+    rtol = 1e-4 if dtype == torch.float32 else 3e-2
+    for tokens, hidden, inter, experts, top_k, skew in cases:
+        favourite = torch.zeros(experts)
+        favourite[torch.randperm(experts, generator=g)[:max(top_k, 2)]] = skew
+        logits = torch.randn(tokens, experts, generator=g) + favourite
+        weights, ids = route(logits, top_k, renormalize=bool(tokens % 2))
+        x = torch.randn(tokens, hidden, generator=g)
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+        w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
+        to = dict(device=device, dtype=dtype)
+        xd, w13d, w2d, wd, idd = x.to(**to), w13.to(**to), w2.to(**to), weights.to(device), ids.to(device)
+        block = block_rows(ids.numel(), experts)
+        entries, block_expert = align(idd, experts, block)
+        real = entries[entries < ids.numel()].sort().values.cpu()
+        assert torch.equal(real, torch.arange(ids.numel(), dtype=torch.int32)), f"moe align {tokens}x{experts}"
+        hit = set(ids.flatten().tolist())
+        assert set(block_expert[block_expert < experts].tolist()) == hit, f"moe blocks of unrouted experts"
+        out = moe_experts(xd, w13d, w2d, wd, idd)
+        ref = TorchOps().moe_experts(x.double(), w13.double(), w2.double(), weights.double(), ids)
+        err = (out.double().cpu() - ref).abs().max().item()
+        case = f"moe {tokens}x{hidden} inter {inter} experts {experts} top-{top_k} skew {skew}"
+        assert out.dtype == dtype and err <= rtol * max(ref.abs().max().item(), 1.0), f"{case}: {err}"

@@ -8,6 +8,9 @@ wrong place or skipped changes the logits.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -30,6 +33,13 @@ ARCHS = {
                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # Mixtral: 2 of 4 experts, chosen weights renormalized, Mixtral's names (block_sparse_moe, w1/w2/w3).
+    "mixtral": dict(arch="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    # Qwen3-MoE: per-head q/k norms, experts narrower than the dense MLP of its mlp_only_layers (layer 1).
+    "qwen3_moe": dict(arch="qwen3_moe", head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
+    # OLMoE: q/k norms over the whole projection, 3 of 8 experts, weights not renormalized.
+    "olmoe": dict(arch="olmoe", num_experts=8, num_experts_per_tok=3),
 }
 
 
@@ -79,6 +89,29 @@ def test_update_weights_equals_a_fresh_engine(checkpoint, tmp_path):
         after = engine.compute_logits(ids)
     assert (before - want).abs().max() > 1e-2  # the perturbation shows
     assert torch.allclose(after, want, atol=1e-5, rtol=0)
+
+
+def test_a_trainers_named_parameters_update_the_engine(checkpoint, tmp_path):
+    """What an RL trainer pushes: a transformers model's ``named_parameters()``, under its in-memory names
+    (transformers >= 5 stacks the experts: ``mlp.experts.gate_up_proj`` [E, 2I, H]), after a training step;
+    the engine then equals a fresh one on the trained model's saved checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    trainer.save_pretrained(str(tmp_path))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(checkpoint, f), str(tmp_path))
+    with LLM(str(tmp_path), device="cpu", dtype="float32") as fresh:
+        ids = fresh.tokenizer.encode(PROMPTS[1])
+        want = fresh.compute_logits(ids)
+    with LLM(checkpoint, device="cpu", dtype="float32") as engine:
+        engine.update_weights(trainer.named_parameters())
+        got = engine.compute_logits(ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def test_tensor_parallel_matches_one_rank(checkpoint):

@@ -59,3 +59,9 @@ def test_race_sampling_kernel_matches_torch(dtype):
     vocabulary widths of Llama 3 (128256) and SmolLM2 (49152), with the runner's slice width."""
     kc.check_race("cuda", dtype, shapes=((1, 128256), (64, 49152), (3, 700)), block=4096)
     kc.check_race("cuda", dtype, block=512)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_experts_kernel_matches_torch(dtype):
+    """Experts 8-128, top-k 1-8, routing skewed so that most experts get nothing, up to 300 tokens."""
+    kc.check_moe("cuda", dtype, kc.MOE_CASES + kc.random_moe_cases(24, seed=3))

@@ -23,6 +23,7 @@ kc.check_attention("cpu", torch.float32, kc.ATTENTION_CASES, atol=1e-4)
 kc.check_attention("cpu", torch.float32, kc.WINDOW_CASES, atol=1e-4, windows=(1, 5, 40))
 kc.check_skinny("cpu", torch.float32, kc.SKINNY_SHAPES, [(16, 64, 1, 2), (32, 128, 4, 2)])
 kc.check_race("cpu", torch.float32)
+kc.check_moe("cpu", torch.float32, kc.MOE_CASES)
 print("kernels ok")
 """
 

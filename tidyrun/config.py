@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "olmoe")
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,17 @@ class ModelConfig:
     rope_local_theta: float = 10000.0
     query_pre_attn_scalar: float | None = None
     rope_scaling: RopeScaling | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): each token's MLP is the weighted sum of the
+    # ``num_experts_per_tok`` experts (of ``num_experts``, each a SwiGLU of ``moe_intermediate_size``) its router
+    # scores highest; ``norm_topk_prob``: the chosen softmax weights are rescaled to sum to 1. ``dense_layers``
+    # keep a dense MLP of ``intermediate_size`` (Qwen3-MoE's mlp_only_layers / decoder_sparse_step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
+    # OLMoE: q_norm/k_norm span the whole query / key projection (all heads at once), not each head.
+    qk_norm_whole: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -75,10 +86,18 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise UnsupportedModelError(
+                f"a mixture of experts needs 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0, "
+                f"got {self.num_experts_per_tok}, {self.num_experts}, {self.moe_intermediate_size}")
         if self.sliding_windows and (len(self.sliding_windows) != self.num_layers
                                      or any(w < 0 for w in self.sliding_windows)):
             raise UnsupportedModelError(f"sliding_windows needs one width >= 0 per layer ({self.num_layers}), "
                                         f"got {self.sliding_windows}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def q_size(self) -> int:

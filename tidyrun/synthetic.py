@@ -29,7 +29,21 @@ SHAPES = MappingProxyType({
                                         num_key_value_heads=2, intermediate_size=512, vocab_size=2048,
                                         max_position_embeddings=2048, tie_word_embeddings=False,
                                         rope_theta=10000.0)),
+    # Qwen3-8B-like (per-head q/k norms, head_dim 128 apart from hidden / heads).
+    "qwen3-8b": MappingProxyType(dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36,
+                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                      intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
+                                      tie_word_embeddings=False, rope_theta=1000000.0)),
+    # OLMoE-1B-7B-like: 64 experts, 8 routed per token (1.3B of 6.9B parameters active).
+    "olmoe-1b-7b": MappingProxyType(dict(model_type="olmoe", hidden_size=2048, num_hidden_layers=16,
+                                         num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024,
+                                         num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                                         vocab_size=50304, max_position_embeddings=4096, tie_word_embeddings=False,
+                                         rope_theta=10000.0)),
 })
+ARCHITECTURES = MappingProxyType({"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                  "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                  "mixtral": "MixtralForCausalLM"})
 
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
@@ -54,28 +68,26 @@ def write_tokenizer(out_dir: str, vocab_size: int = 512) -> None:
 
 def write_random_checkpoint(out_dir: str, shape: str | dict = "llama-1.2b", dtype: torch.dtype = torch.bfloat16,
                             device: str = "cpu", seed: int = 0, shard_bytes: int = 4 << 30, std: float = 0.02) -> str:
-    """Write a random-weight Llama checkpoint of ``shape`` (a name in SHAPES or a config dict) to ``out_dir``.
+    """Write a random-weight checkpoint of ``shape`` (a name in SHAPES or a config dict; ``model_type`` defaults
+    to llama) to ``out_dir``.
 
     Weights are drawn on ``device`` (a GPU makes the 8B shape quick) and
     written shard by shard, so host memory stays at about one shard.
     """
     from safetensors.torch import save_file
 
+    from .loader.hf import config_from_hf
+    from .model.registry import checkpoint_shapes
+
     cfg = dict(SHAPES[shape]) if isinstance(shape, str) else dict(shape)
     os.makedirs(out_dir, exist_ok=True)
-    h, inter, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_key_value_heads"]
-    head_dim = h // cfg["num_attention_heads"]
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                   (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv * head_dim, h)),
-                   (p + "self_attn.v_proj.weight", (kv * head_dim, h)), (p + "self_attn.o_proj.weight", (h, h)),
-                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                   (p + "mlp.down_proj.weight", (h, inter))]
-    shapes.append(("model.norm.weight", (h,)))
-    if not cfg["tie_word_embeddings"]:
-        shapes.append(("lm_head.weight", (cfg["vocab_size"], h)))
+    model_type = cfg.pop("model_type", "llama")
+    config = dict(cfg, model_type=model_type, architectures=[ARCHITECTURES[model_type]],
+                  head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+                  rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=0, eos_token_id=1,
+                  torch_dtype=str(dtype).removeprefix("torch."))
+    # The names and shapes tidyrun's model reads (one source of truth: the model's own weight map).
+    shapes = list(checkpoint_shapes(config_from_hf(config, out_dir)).items())
 
     gen = torch.Generator(device=device).manual_seed(seed)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -104,9 +116,6 @@ def write_random_checkpoint(out_dir: str, shape: str | dict = "llama-1.2b", dtyp
     if len(shards) > 1:
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    config = dict(cfg, model_type="llama", architectures=["LlamaForCausalLM"], head_dim=head_dim,
-                  rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=0, eos_token_id=1,
-                  torch_dtype=str(dtype).removeprefix("torch."))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     write_tokenizer(out_dir)

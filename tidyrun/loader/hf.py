@@ -15,7 +15,8 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 
 _MODEL_TYPES = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                                 "phi3": "phi3", "gemma3_text": "gemma3"})
+                                 "phi3": "phi3", "gemma3_text": "gemma3", "mixtral": "mixtral",
+                                 "qwen3_moe": "qwen3_moe", "olmoe": "olmoe"})
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -98,6 +99,28 @@ def _gemma3(raw: dict, where: str) -> tuple[dict, dict]:
     return extra, global_raw
 
 
+def _moe(raw: dict, model_type: str, where: str) -> dict:
+    """The mixture-of-experts fields of Mixtral, Qwen3-MoE and OLMoE (each family names them its own way)."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} in {where!r} is not supported (SiLU experts)")
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    extra = dict(num_experts=experts, num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                 moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
+    if model_type == "mixtral":
+        extra["norm_topk_prob"] = True  # Mixtral always renormalizes the chosen weights
+    if model_type == "qwen3_moe":
+        step = int(raw.get("decoder_sparse_step") or 1)
+        only = set(raw.get("mlp_only_layers") or ())
+        extra["dense_layers"] = tuple(i for i in range(int(raw["num_hidden_layers"]))
+                                      if i in only or experts == 0 or (i + 1) % step)
+    if model_type == "olmoe":
+        if raw.get("clip_qkv") is not None:
+            raise UnsupportedModelError(f"clip_qkv in {where!r} is not supported")
+        extra["qk_norm_whole"] = True
+    return extra
+
+
 def config_from_hf(raw: dict, where: str) -> ModelConfig:
     """Translate a transformers config.json dict into a ModelConfig."""
     model_type = raw.get("model_type")
@@ -112,10 +135,12 @@ def config_from_hf(raw: dict, where: str) -> ModelConfig:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         extra, rope_raw = _gemma3(raw, where) if model_type == "gemma3_text" else ({}, raw)
+        if model_type in ("mixtral", "qwen3_moe", "olmoe"):
+            extra = _moe(raw, model_type, where)
         theta, scaling = _rope(rope_raw)
         max_pos = int(raw.get("max_position_embeddings", 2048))
         window = raw.get("sliding_window")
-        if window and raw.get("use_sliding_window", model_type in ("mistral", "phi3")) and int(window) < max_pos:
+        if window and raw.get("use_sliding_window", model_type in ("mistral", "phi3", "mixtral")) and int(window) < max_pos:
             # Full attention inside the window is exact; longer contexts would need a windowed kernel.
             max_pos = int(window)
         if scaling is not None and scaling.rope_type == "longrope":
@@ -143,7 +168,7 @@ def config_from_hf(raw: dict, where: str) -> ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "gemma3_text")),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
             fused_checkpoint=model_type == "phi3",
             **extra,
             rope_scaling=scaling,

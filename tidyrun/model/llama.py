@@ -21,7 +21,7 @@ the whole tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,7 +46,8 @@ class WeightShard:
     ``param``. Unsplit weights take the whole of dimension 0. A checkpoint
     tensor that is already fused (Phi-3's qkv_proj, gate_up_proj) goes in
     several pieces: under tensor parallelism a rank's q, k and v rows are
-    three separate slices of it.
+    three separate slices of it. ``expert``: the piece goes to that index of
+    a stacked parameter ([experts, ...] of a mixture of experts).
     """
 
     param: torch.Tensor
@@ -55,6 +56,7 @@ class WeightShard:
     dim: int = 0
     start: int = 0
     length: int | None = None  # None: the whole dimension
+    expert: int | None = None
 
     def source(self, tensor: torch.Tensor) -> torch.Tensor:
         """The part of the (full) checkpoint tensor this rank keeps: a view, never a copy."""
@@ -68,7 +70,12 @@ class WeightShard:
 
     def within(self, shape: tuple[int, ...], offset: int) -> WeightShard:
         """The same piece read from a fused tensor of ``shape``, where its part starts ``offset`` rows in."""
-        return WeightShard(self.param, self.row, shape, self.dim, self.start + offset, self.length)
+        return WeightShard(self.param, self.row, shape, self.dim, self.start + offset, self.length, self.expert)
+
+    def copy_(self, tensor: torch.Tensor) -> None:
+        """Copy this rank's part of the checkpoint ``tensor`` into its rows of the (placed) parameter."""
+        param = self.param if self.expert is None else self.param[self.expert]
+        param.narrow(0, self.row, self.rows).copy_(self.source(tensor))
 
 
 class LlamaAttention(nn.Module):
@@ -85,17 +92,35 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops, dtype)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops, dtype)
-        self.q_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
-        self.k_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
+        # Per head (Qwen3, Gemma 3), or over this rank's whole q / k projection (OLMoE).
+        q_dim, k_dim = (self.q_size, self.kv_size) if cfg.qk_norm_whole else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = self.norm_class(q_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
+        self.k_norm = self.norm_class(k_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
+        self._norm_whole = cfg.qk_norm_whole
+        self._full_sizes = (cfg.q_size, cfg.kv_size)  # the whole model's, over which OLMoE's norms average
         self.window: int | None = None  # a sliding-window layer's width (Gemma 3 sets it)
         self._ctx = ctx
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Qwen3's per-head RMSNorm of the queries and keys (values untouched), back in the fused layout."""
-        tokens, d = qkv.shape[0], self.head_dim
-        q = self.q_norm(qkv[:, :self.q_size].reshape(-1, d))[0].view(tokens, self.q_size)
-        k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].reshape(-1, d))[0].view(tokens, self.kv_size)
+        """The RMSNorm of the queries and keys (values untouched), back in the fused layout."""
+        q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+        if self._norm_whole:
+            q, k = (self._whole_norm(x, norm, full) for x, norm, full in
+                    zip((q, k), (self.q_norm, self.k_norm), self._full_sizes))
+        else:
+            tokens, d = qkv.shape[0], self.head_dim
+            q = self.q_norm(q.reshape(-1, d))[0].view(tokens, self.q_size)
+            k = self.k_norm(k.reshape(-1, d))[0].view(tokens, self.kv_size)
         return torch.cat([q, k, qkv[:, self.q_size + self.kv_size:]], dim=-1)
+
+    def _whole_norm(self, x: torch.Tensor, norm: RMSNorm, full: int) -> torch.Tensor:
+        """OLMoE's norm over the whole projection; under tensor parallelism the ranks' squares are summed
+        first, since each holds only some heads."""
+        h = x.float()
+        squares = h.pow(2).sum(-1, keepdim=True)
+        if self._tp is not None:
+            squares = self._tp.all_reduce(squares)
+        return norm.weight * (h * torch.rsqrt(squares / full + norm.eps)).to(x.dtype)
 
     def forward(self, x: torch.Tensor, rope, kv_cache: KVCache | None) -> torch.Tensor:
         tokens = x.shape[0]
@@ -133,7 +158,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.self_attn = LlamaAttention(cfg, layer_idx, ctx, ops, dtype, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.mlp = LlamaMLP(cfg, ops, dtype, shard, tp)
+        self.mlp = self.build_mlp(cfg, layer_idx, ops, dtype, shard, tp)
+
+    def build_mlp(self, cfg: ModelConfig, layer_idx: int, ops: TorchOps, dtype, shard: TPShard, tp) -> nn.Module:
+        """This layer's feed-forward block (a mixture-of-experts variant picks per layer)."""
+        return LlamaMLP(cfg, ops, dtype, shard, tp)
 
     def forward(self, x, residual, rope, kv_cache):
         h, residual = self.input_layernorm(x, residual)
@@ -233,11 +262,10 @@ class LlamaForCausalLM(nn.Module):
         checked while the parameters are released (asleep).
         """
         cfg, sh = self.config, self.shard
-        h, q, kv, inter, vocab = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
+        h, q, kv, vocab = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.vocab_size
         d = cfg.head_dim
         q_start, q_len = sh.heads[0] * d, sh.num_heads * d
         kv_start, kv_len = sh.kv_heads[0] * d, sh.num_kv_heads * d
-        i_start, i_len = sh.intermediate
         shards: dict[str, tuple[WeightShard, ...]] = {
             "model.embed_tokens.weight": (WeightShard(self.model.embed_tokens.weight, 0, (vocab, h), 0, *sh.vocab),),
             "model.norm.weight": (WeightShard(self.model.norm.weight, 0, (h,)),),
@@ -251,9 +279,11 @@ class LlamaForCausalLM(nn.Module):
             shards[pre + "post_attention_layernorm.weight"] = (
                 WeightShard(layer.post_attention_layernorm.weight, 0, (h,)),)
             shards[pre + "self_attn.o_proj.weight"] = (WeightShard(attn.o_proj.weight, 0, (h, q), 1, q_start, q_len),)
-            shards[pre + "mlp.down_proj.weight"] = (
-                WeightShard(mlp.down_proj.weight, 0, (h, inter), 1, i_start, i_len),)
-            if cfg.qk_norm:  # one [head_dim] weight per layer, the same on every tensor-parallel rank
+            if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: one weight per channel, split with the heads
+                shards[pre + "self_attn.q_norm.weight"] = (WeightShard(attn.q_norm.weight, 0, (q,), 0, q_start, q_len),)
+                shards[pre + "self_attn.k_norm.weight"] = (
+                    WeightShard(attn.k_norm.weight, 0, (kv,), 0, kv_start, kv_len),)
+            elif cfg.qk_norm:  # one [head_dim] weight per layer, the same on every tensor-parallel rank
                 shards[pre + "self_attn.q_norm.weight"] = (WeightShard(attn.q_norm.weight, 0, (d,)),)
                 shards[pre + "self_attn.k_norm.weight"] = (WeightShard(attn.k_norm.weight, 0, (d,)),)
             params = [("weight", attn.qkv_proj.weight, (h,))]
@@ -269,14 +299,25 @@ class LlamaForCausalLM(nn.Module):
                         w.within(fused, offset) for w, offset in zip(pieces.values(), (0, q, q + kv)))
                 else:
                     shards |= {pre + f"self_attn.{n}.{kind}": (w,) for n, w in pieces.items()}
-            gate = WeightShard(mlp.gate_up_proj.weight, 0, (inter, h), 0, i_start, i_len)
-            up = WeightShard(mlp.gate_up_proj.weight, i_len, (inter, h), 0, i_start, i_len)
-            if cfg.fused_checkpoint:  # rows gate, then up
-                shards[pre + "mlp.gate_up_proj.weight"] = (
-                    gate.within((2 * inter, h), 0), up.within((2 * inter, h), inter))
-            else:
-                shards[pre + "mlp.gate_proj.weight"], shards[pre + "mlp.up_proj.weight"] = (gate,), (up,)
+            shards |= self.mlp_shards(pre, mlp)
         return shards
+
+    def mlp_shards(self, pre: str, mlp: nn.Module) -> dict[str, tuple[WeightShard, ...]]:
+        """The weights of one layer's feed-forward block (a mixture-of-experts variant names its experts)."""
+        h, inter = self.config.hidden_size, self.config.intermediate_size
+        i_start, i_len = self.shard.intermediate
+        gate = WeightShard(mlp.gate_up_proj.weight, 0, (inter, h), 0, i_start, i_len)
+        up = WeightShard(mlp.gate_up_proj.weight, i_len, (inter, h), 0, i_start, i_len)
+        down = WeightShard(mlp.down_proj.weight, 0, (h, inter), 1, i_start, i_len)
+        if self.config.fused_checkpoint:  # rows gate, then up
+            return {pre + "mlp.gate_up_proj.weight": (gate.within((2 * inter, h), 0), up.within((2 * inter, h), inter)),
+                    pre + "mlp.down_proj.weight": (down,)}
+        return {pre + "mlp.gate_proj.weight": (gate,), pre + "mlp.up_proj.weight": (up,),
+                pre + "mlp.down_proj.weight": (down,)}
+
+    def checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights under the checkpoint's names (a variant maps other spellings of them here)."""
+        return iter(weights)
 
     def _target(self, shards: dict[str, tuple[WeightShard, ...]], name: str,
                 tensor: torch.Tensor) -> tuple[WeightShard, ...]:
@@ -302,7 +343,7 @@ class LlamaForCausalLM(nn.Module):
         """Validate names, shapes and dtypes without copying anything (for all-or-nothing updates)."""
         shards = self.weight_shards()
         names = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_names(weights):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             self._target(shards, name, tensor)
@@ -320,11 +361,11 @@ class LlamaForCausalLM(nn.Module):
         """
         shards = self.weight_shards()
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_names(weights):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied head: some checkpoints store the copy anyway
             for shard in self._target(shards, name, tensor):
-                shard.param.narrow(0, shard.row, shard.rows).copy_(shard.source(tensor), non_blocking=False)
+                shard.copy_(tensor)
             loaded.add(name)
         if require_all:
             self._check_complete(shards, loaded)

@@ -63,6 +63,21 @@ class TorchOps:
         """``silu(x gate^T) * (x up^T)`` for a weight [2I, in] holding the gate rows then the up rows."""
         return self.silu_mul(self.linear(x, weight, None))
 
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+        """``sum_j weights[t, j] * expert_ids[t, j](x[t])`` for SwiGLU experts stacked as ``w13`` [E, 2I, H]
+        (gate rows, then up rows) and ``w2`` [E, H, I]; ``weights`` float32 [T, k], ``ids`` [T, k].
+
+        The reference, as transformers computes it: one product per expert over the tokens routed to it,
+        added up in expert order. It asks the host which experts were hit, so it is never captured in a CUDA
+        graph (graphs run the Triton path)."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            h = F.linear(self.silu_mul(F.linear(x[token], w13[e])), w2[e])
+            out.index_add_(0, token, (h * weights[token, slot, None].to(h.dtype)).to(x.dtype))
+        return out
+
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
         """What each layer's ``rope_and_store`` needs: here, the gathered cos/sin rows."""
         return rotary(positions, dtype)
@@ -93,9 +108,10 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self, num_sms: int, ctx: ForwardContext | None = None, skinny_float32: bool = False) -> None:
-        from ..kernels import attention, fused, race, skinny  # imported here: the CPU path never needs Triton
+        from ..kernels import attention, fused, moe, race, skinny  # imported here: the CPU path never needs Triton
 
         self._attn = attention
+        self._moe = moe
         self._race = race
         self._fused = fused
         self._skinny = skinny
@@ -147,6 +163,10 @@ class TritonOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._fused.silu_mul(gate_up)
+
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+        return self._moe.moe_experts(x, w13, w2, weights, ids)
 
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
         """The whole float32 tables and the positions: the kernel gathers the rows itself."""

@@ -16,6 +16,7 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..errors import InvalidRequestError, OutOfResourcesError
 from ..kv_cache import bytes_per_block
+from ..model.registry import skeleton
 from ..model.sharding import TPShard
 from .weights import aligned_numel
 
@@ -32,14 +33,8 @@ class KVPlan:
 
 
 def weight_numels(mc: ModelConfig, shard: TPShard) -> list[int]:
-    """Element counts of this rank's parameters (the model's ``_parameters``, in any order)."""
-    h, d = mc.hidden_size, mc.head_dim
-    q, kv, inter, vocab = shard.num_heads * d, shard.num_kv_heads * d, shard.intermediate_size, shard.vocab_size
-    layer = [h, h, (q + 2 * kv) * h, h * q, 2 * inter * h, h * inter]
-    if mc.attention_bias:
-        layer.append(q + 2 * kv)
-    head = [] if mc.tie_word_embeddings else [vocab * h]
-    return [vocab * h, h, *head] + layer * mc.num_layers
+    """Element counts of this rank's parameters, read off the model built on the meta device."""
+    return [p.numel() for p in skeleton(mc, shard).parameters()]
 
 
 def weight_bytes(mc: ModelConfig, shard: TPShard, dtype: torch.dtype) -> int:
