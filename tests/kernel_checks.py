@@ -262,7 +262,7 @@ def random_moe_cases(n, seed=0, max_tokens=300):
 def check_moe(device, dtype, cases, seed=0):
     """The grouped Triton experts (kernels.moe) against TorchOps' per-expert loop on the same routing;
     the alignment leaves every entry once and experts nobody chose without blocks."""
-    from tidyrun.kernels.moe import align, block_rows, moe_experts
+    from tidyrun.kernels.moe import align, align_one_kernel, moe_experts, tile_config
     from tidyrun.model.moe import route
     from tidyrun.model.ops import TorchOps
 
@@ -273,19 +273,21 @@ def check_moe(device, dtype, cases, seed=0):
         favourite[torch.randperm(experts, generator=g)[:max(top_k, 2)]] = skew
         logits = torch.randn(tokens, experts, generator=g) + favourite
         weights, ids = route(logits, top_k, renormalize=bool(tokens % 2))
+        case = f"moe {tokens}x{hidden} inter {inter} experts {experts} top-{top_k} skew {skew}"
         x = torch.randn(tokens, hidden, generator=g)
         w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
         w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
         to = dict(device=device, dtype=dtype)
         xd, w13d, w2d, wd, idd = x.to(**to), w13.to(**to), w2.to(**to), weights.to(device), ids.to(device)
-        block = block_rows(ids.numel(), experts)
+        block = tile_config(ids.numel(), experts).block_m
         entries, block_expert = align(idd, experts, block)
+        one = align_one_kernel(idd, experts, block)
+        assert torch.equal(one[0], entries) and torch.equal(one[1], block_expert), f"moe one-kernel align {case}"
         real = entries[entries < ids.numel()].sort().values.cpu()
-        assert torch.equal(real, torch.arange(ids.numel(), dtype=torch.int32)), f"moe align {tokens}x{experts}"
+        assert torch.equal(real, torch.arange(ids.numel(), dtype=torch.int32)), f"moe align {case}"
         hit = set(ids.flatten().tolist())
-        assert set(block_expert[block_expert < experts].tolist()) == hit, f"moe blocks of unrouted experts"
+        assert set(block_expert[block_expert < experts].tolist()) == hit, f"moe blocks of unrouted experts {case}"
         out = moe_experts(xd, w13d, w2d, wd, idd)
         ref = TorchOps().moe_experts(x.double(), w13.double(), w2.double(), weights.double(), ids)
         err = (out.double().cpu() - ref).abs().max().item()
-        case = f"moe {tokens}x{hidden} inter {inter} experts {experts} top-{top_k} skew {skew}"
         assert out.dtype == dtype and err <= rtol * max(ref.abs().max().item(), 1.0), f"{case}: {err}"
