@@ -51,6 +51,9 @@ def test_default_gguf_raw_prompt_matches_transformers(llm, hf_default_model):
     ("llama", {"tie_word_embeddings": True}, "3MB"),       # tied head, sharded index
     ("qwen2", {"tie_word_embeddings": True}, None),        # q/k/v biases
     ("mistral", {"sliding_window": None}, None),
+    # sliding windows shorter than the prompt plus its output: every layer (Mistral), the upper one (Qwen2)
+    ("mistral", {"sliding_window": 8}, None),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, None),
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                "rope_theta": 500000.0}, None),

@@ -48,8 +48,8 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj already fused
-    # Gemma 3: each layer's sliding window (0: global attention), the RoPE base of the windowed layers, and the
-    # query scaling's denominator (scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5).
+    # Each layer's sliding window (0: global attention; () none windowed). Gemma 3: the RoPE base of its windowed
+    # layers, and the query scaling's denominator (scores scaled by query_pre_attn_scalar ** -0.5, not head_dim's).
     sliding_windows: tuple[int, ...] = ()
     rope_local_theta: float = 10000.0
     query_pre_attn_scalar: float | None = None

@@ -99,6 +99,27 @@ def _gemma3(raw: dict, where: str) -> tuple[dict, dict]:
     return extra, global_raw
 
 
+def _sliding_windows(raw: dict, model_type: str, max_pos: int) -> tuple[int, ...]:
+    """Each layer's attention window (0: the whole context), as transformers reads the config: ``layer_types``
+    where the config has them; else Mistral, Mixtral and Phi-3 window every layer when ``sliding_window``
+    is set, and the Qwen families only with ``use_sliding_window``, from layer ``max_window_layers`` on.
+    () when no layer is windowed, or the window is no shorter than the context."""
+    window = int(raw.get("sliding_window") or 0)
+    layers = int(raw["num_hidden_layers"])
+    if not window or window >= max_pos:
+        return ()
+    if raw.get("layer_types"):
+        kinds = raw["layer_types"]
+    elif model_type in ("mistral", "mixtral", "phi3"):
+        kinds = ["sliding_attention"] * layers if raw.get("use_sliding_window", True) else []
+    else:
+        start = int(raw.get("max_window_layers", 28))
+        kinds = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)] \
+            if raw.get("use_sliding_window", False) else []
+    windows = tuple(window if k == "sliding_attention" else 0 for k in kinds)
+    return windows if any(windows) else ()
+
+
 def _moe(raw: dict, model_type: str, where: str) -> dict:
     """The mixture-of-experts fields of Mixtral, Qwen3-MoE and OLMoE (each family names them its own way)."""
     if raw.get("hidden_act", "silu") != "silu":
@@ -139,10 +160,8 @@ def config_from_hf(raw: dict, where: str) -> ModelConfig:
             extra = _moe(raw, model_type, where)
         theta, scaling = _rope(rope_raw)
         max_pos = int(raw.get("max_position_embeddings", 2048))
-        window = raw.get("sliding_window")
-        if window and raw.get("use_sliding_window", model_type in ("mistral", "phi3", "mixtral")) and int(window) < max_pos:
-            # Full attention inside the window is exact; longer contexts would need a windowed kernel.
-            max_pos = int(window)
+        if model_type != "gemma3_text":
+            extra["sliding_windows"] = _sliding_windows(raw, model_type, max_pos)
         if scaling is not None and scaling.rope_type == "longrope":
             # transformers switches every position to the long factors once a sequence outgrows the original
             # context; a per-position table is exact only inside it (the short factors), so the context stops there.

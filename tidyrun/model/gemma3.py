@@ -52,7 +52,6 @@ class GemmaAttention(LlamaAttention):
                  shard: TPShard, tp=None):
         super().__init__(cfg, layer_idx, ctx, ops, dtype, shard, tp)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        self.window = cfg.sliding_windows[layer_idx] or None
 
     def forward(self, x: torch.Tensor, rope, kv_cache) -> torch.Tensor:
         """``rope``: the step's (global, local) tables; a windowed layer rotates with the local one."""

@@ -98,7 +98,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = self.norm_class(k_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self._norm_whole = cfg.qk_norm_whole
         self._full_sizes = (cfg.q_size, cfg.kv_size)  # the whole model's, over which OLMoE's norms average
-        self.window: int | None = None  # a sliding-window layer's width (Gemma 3 sets it)
+        # A sliding-window layer's width (Mistral, Qwen2's upper layers, Gemma 3's local ones); None: global.
+        self.window: int | None = (cfg.sliding_windows[layer_idx] or None) if cfg.sliding_windows else None
         self._ctx = ctx
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
