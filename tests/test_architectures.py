@@ -66,6 +66,24 @@ def test_batched_equals_alone(checkpoint):
     assert batched == alone
 
 
+def test_speculation_and_the_prefix_cache_change_no_token(checkpoint):
+    """n-gram speculation (several positions verified per step) and prompts read back from the prefix cache
+    give the plain engine's greedy tokens. The second prompt repeats the first after its own continuation,
+    which gives the n-gram lookup earlier occurrences to draft from (the test checks that drafts were made)."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    with LLM(checkpoint, device="cpu", dtype="float32", enable_prefix_caching=False) as plain:
+        first = plain.tokenizer.encode(PROMPTS[0])
+        out = plain.generate({"prompt_token_ids": first}, params, use_tqdm=False)[0].outputs[0].token_ids
+        prompts = [{"prompt_token_ids": first}, {"prompt_token_ids": first + out + first}]
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    with LLM(checkpoint, device="cpu", dtype="float32",
+             speculative={"num_speculative_tokens": 4, "prompt_lookup_max": 3}) as fast:
+        for _ in range(2):  # the second round finds the prompts' blocks in the prefix cache
+            assert [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)] == want
+        stats = fast.stats()
+    assert stats["prefix_cached_tokens"] > 0 and stats["spec_draft_tokens"] > 0, stats
+
+
 def test_update_weights_equals_a_fresh_engine(checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -56,6 +56,8 @@ def activation_bytes(mc: ModelConfig, config: EngineConfig, dtype: torch.dtype) 
     """Peak activations of the largest step, plus float32 logits/sort buffers of a full batch."""
     elem = torch.empty((), dtype=dtype).element_size()
     per_token = 6 * mc.hidden_size + 4 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size
+    if mc.num_experts:  # each of a token's k experts: its gate/up rows, their product, its down output
+        per_token += mc.num_experts_per_tok * (3 * mc.moe_intermediate_size + mc.hidden_size)
     return config.max_num_batched_tokens * per_token * elem + config.max_num_seqs * mc.vocab_size * 4 * 4
 
 
