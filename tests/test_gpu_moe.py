@@ -1,6 +1,6 @@
-"""On CUDA: mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE) on the grouped Triton experts.
+"""On CUDA: a mixture-of-experts model on the grouped Triton experts (bf16 agreement with transformers for
+Mixtral, Qwen3-MoE and OLMoE: test_gpu_reference.py).
 
-- bf16 tiny checkpoints are as close to transformers fp32 as transformers' own bf16 run;
 - CUDA graphs (the routing sorted on the device, no host read) change no greedy token;
 - sleep at both levels and shutdown return every byte of a MoE model, and it wakes identical.
 """
@@ -10,9 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import write_tiny_checkpoint
-from test_architectures import ARCHS
-from test_gpu_reference import NUM_TOKENS, PROB_TOL, compare
 from tidyrun import LLM, SamplingParams
 from tidyrun.memory import initialize_cuda, sample_memory
 from tidyrun.synthetic import write_random_checkpoint
@@ -37,27 +34,6 @@ def checkpoint(tmp_path_factory) -> str:
 
 def tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-
-
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
-def test_tiny_moe_bf16_matches_transformers(tmp_path, hf_tokenizer_dir, name):
-    from transformers import AutoModelForCausalLM
-
-    path = write_tiny_checkpoint(str(tmp_path), hf_tokenizer_dir, perturb_vectors=True, **ARCHS[name])
-    ref32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    ref16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    with LLM(path, device="cuda", dtype="bfloat16") as engine:
-        assert engine.runner.ops.name == "triton"
-        results = compare(engine, ref32, ref16, [engine.tokenizer.encode(p) for p in PROMPTS])
-    ours, theirs = sum(r["ours_agree"] for r in results), sum(r["hf16_agree"] for r in results)
-    errors = max(r["ours_err"] for r in results), max(r["hf16_err"] for r in results)
-    print(f"\ntiny {name} bf16: top-1 agreement with fp32 {ours} (transformers bf16 {theirs}) of "
-          f"{NUM_TOKENS * len(results)}; max prob error vs fp32 {errors[0]:.4f} (transformers bf16 {errors[1]:.4f})")
-    # The issue's bar: agreement at least transformers bf16's own. The largest probability error is not held
-    # to transformers' (as the dense tests do): a token whose k-th and (k+1)-th experts nearly tie is routed
-    # differently by any two bf16 runs, which moves its output by more than rounding does elsewhere.
-    assert ours >= theirs, results
-    assert errors[0] < PROB_TOL, results
 
 
 def test_moe_graphs_do_not_change_greedy_output(checkpoint):

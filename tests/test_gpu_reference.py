@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import QUESTIONS, write_tiny_checkpoint
+from test_architectures import ARCHS
 from tidyrun import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -83,6 +84,28 @@ def test_tiny_checkpoint_bf16_cuda_matches_transformers(tmp_path, hf_tokenizer_d
         prompts = [engine.tokenizer.encode(q) for q in QUESTIONS]
         results = compare(engine, ref32, ref16, prompts)
     report_and_check(f"tiny {arch} bf16", results)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_tiny_architecture_bf16_matches_transformers(tmp_path, hf_tokenizer_dir, name):
+    """Qwen3, Phi-3, Gemma 3 (a window shorter than the prompts plus their outputs), Mixtral, Qwen3-MoE, OLMoE."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_checkpoint(str(tmp_path), hf_tokenizer_dir, perturb_vectors=True, **ARCHS[name])
+    ref32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    ref16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    with LLM(path, device="cuda", dtype="bfloat16") as engine:
+        assert engine.runner.ops.name == "triton"
+        results = compare(engine, ref32, ref16, [engine.tokenizer.encode(q) for q in QUESTIONS])
+    ours, theirs = sum(r["ours_agree"] for r in results), sum(r["hf16_agree"] for r in results)
+    errors = max(r["ours_err"] for r in results), max(r["hf16_err"] for r in results)
+    print(f"\ntiny {name} bf16: top-1 agreement with fp32 {ours} (transformers bf16 {theirs}) of "
+          f"{NUM_TOKENS * len(results)}; max prob error vs fp32 {errors[0]:.4f} (transformers bf16 {errors[1]:.4f})")
+    # The issue's bar: agreement at least transformers bf16's own. The largest probability error is not held
+    # to twice transformers' (as for Llama above): with experts, a token whose k-th and (k+1)-th experts nearly
+    # tie may be routed differently by two bf16 runs, which moves its output by more than rounding does.
+    assert ours >= theirs, results
+    assert errors[0] < PROB_TOL, results
 
 
 def test_cuda_batched_equals_alone(default_model):
