@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import QUESTIONS
 from tidyrun import LLM, SamplingParams
-from tidyrun.kv_cache import BlockPool
+from tidyrun.kv_cache import BlockKey, BlockPool, prefix_digest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -27,24 +27,67 @@ def chat_prompts(llm):
             for q in QUESTIONS]
 
 
+def keys(*blocks: tuple[int, ...]) -> list[BlockKey]:
+    """The prefix-cache keys of consecutive blocks holding these tokens."""
+    out, parent = [], b""
+    for tokens in blocks:
+        out.append(BlockKey(prefix_digest(parent, tokens), parent, tokens))
+        parent = out[-1].digest
+    return out
+
+
 def test_block_pool_reference_counts_and_lru_eviction():
     pool = BlockPool(4)
+    k1, k2, k3 = keys((1, 2), (3, 4), (5, 6))
     a = pool.allocate(2)
-    pool.register(a[0], 111)
-    pool.register(a[1], 222)
-    assert pool.lookup([111, 222, 333]) == a
+    pool.register(a[0], k1)
+    pool.register(a[1], k2)
+    assert pool.lookup([k1, k2, k3]) == a
     pool.free(a)  # unreferenced but still cached
-    assert pool.num_free == 4 and pool.lookup([111, 222]) == a
+    assert pool.num_free == 4 and pool.lookup([k1, k2]) == a
     pool.share(a[:1])
     assert pool.num_free == 3
     fresh = pool.allocate(2)  # the never-used blocks go first
-    assert set(fresh).isdisjoint(a) and pool.lookup([111, 222]) == a
-    evicting = pool.allocate(1)  # now the freed tail block (222) is evicted, the shared head kept
-    assert evicting == [a[1]] and pool.lookup([111, 222]) == [a[0]]
+    assert set(fresh).isdisjoint(a) and pool.lookup([k1, k2]) == a
+    evicting = pool.allocate(1)  # now the freed tail block (k2) is evicted, the shared head kept
+    assert evicting == [a[1]] and pool.lookup([k1, k2]) == [a[0]]
     pool.free(fresh + evicting + a[:1])
     assert pool.num_free == 4
     pool.reset_prefix_cache()
-    assert pool.lookup([111]) == []
+    assert pool.lookup([k1]) == []
+
+
+def test_a_colliding_digest_is_never_a_hit():
+    """Two different blocks (or the same tokens after a different prefix) under one digest: the pool checks
+    the tokens and the parent of what it finds, so neither is served the other's keys and values."""
+    pool = BlockPool(4)
+    first, = pool.allocate(1)
+    [k] = keys((1, 2, 3))
+    pool.register(first, k)
+    forged_tokens = BlockKey(k.digest, b"", (9, 9, 9))
+    forged_parent = BlockKey(k.digest, b"another prefix", (1, 2, 3))
+    assert pool.lookup([forged_tokens]) == [] and pool.lookup([forged_parent]) == []
+    assert pool.lookup([k]) == [first]
+    assert len(k.digest) == 32  # sha256: a chain of 256-bit digests, not a 64-bit hash()
+
+
+def test_forced_collisions_change_no_output(tiny_llama_dir, monkeypatch):
+    """Every block hashed to the same value (the digest replaced by a constant, and on older code Python's
+    hash()): a second user's prompt must not be served the first user's cached blocks."""
+    import tidyrun.kv_cache
+    import tidyrun.sequence
+
+    alice, bob = [list(range(5, 45))], [list(range(100, 140))]  # 40 tokens each: two full blocks
+    with LLM(tiny_llama_dir, device="cpu", enable_prefix_caching=False) as plain:
+        expected = tokens(plain, bob)
+    monkeypatch.setattr(tidyrun.kv_cache, "prefix_digest", lambda parent, toks: b"\0" * 32)
+    monkeypatch.setattr(tidyrun.sequence, "hash", lambda value: 7, raising=False)
+    with LLM(tiny_llama_dir, device="cpu") as shared:
+        tokens(shared, alice)
+        assert shared.scheduler.pool.num_cached >= 1
+        cached_before = shared.stats()["prefix_cached_tokens"]
+        assert tokens(shared, bob) == expected
+        assert shared.stats()["prefix_cached_tokens"] == cached_before
 
 
 def test_shared_system_prompt_is_reused_and_outputs_match_no_cache(default_model, chat_prompts):

@@ -7,7 +7,11 @@ the key/value of one token in every layer.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -15,12 +19,30 @@ from .errors import OutOfResourcesError
 from .resources import ResourceLedger
 
 
+def prefix_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """sha256 of a block's parent digest and its token ids: the block's place in a hash chain that covers
+    every token before it. Why not Python's 64-bit ``hash()``: on a shared server a collision would serve
+    one user's keys and values to another (vLLM moved to sha256 after such an advisory); the pool also
+    checks the tokens of every hit, so even a collision is never reused."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class BlockKey(NamedTuple):
+    """What identifies a full block's contents: its chain digest, its parent's digest (b"" for the first
+    block) and its own tokens (checked on every hit)."""
+    digest: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
 class BlockPool:
     """KV block ids: reference counts, an LRU free queue, and the prefix cache.
 
-    A full block whose keys/values are computed is registered under the hash
-    of its tokens and of every token before it, so a later sequence with the
-    same prefix reuses the block instead of recomputing it. A block nobody
+    A full block whose keys/values are computed is registered under its
+    ``BlockKey`` (the sha256 chain of its tokens and every token before
+    it), so a later sequence with the same prefix reuses the block instead
+    of recomputing it; a hit counts only if the stored tokens and parent
+    equal the asking sequence's. A block nobody
     references goes to the tail of the free queue but keeps its cached
     contents until it is handed out again (from the head: least recently
     freed first). Host-only bookkeeping; owns no device memory.
@@ -30,8 +52,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self._key_of: list[BlockKey | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # chain digest -> block id
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
@@ -62,14 +84,15 @@ class BlockPool:
             if self._ref[block] == 0:
                 self._free[block] = None
 
-    def lookup(self, prefix_hashes: list[int]) -> list[int]:
-        """The cached blocks of the longest prefix of ``prefix_hashes``."""
+    def lookup(self, keys: list[BlockKey]) -> list[int]:
+        """The cached blocks of the longest prefix of ``keys`` (a sequence's consecutive full blocks), each
+        verified token for token and parent for parent."""
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for h in prefix_hashes:
-            block = self._cached.get(h)
-            if block is None:
+        for key in keys:
+            block = self._cached.get(key.digest)
+            if block is None or self._key_of[block] != key:
                 break
             hits.append(block)
         return hits
@@ -84,22 +107,22 @@ class BlockPool:
                 del self._free[block]
             self._ref[block] += 1
 
-    def register(self, block: int, prefix_hash: int) -> None:
-        """Mark a full, computed block as holding the prefix ``prefix_hash``."""
-        if self.enable_prefix_caching and prefix_hash not in self._cached and self._hash_of[block] is None:
-            self._cached[prefix_hash] = block
-            self._hash_of[block] = prefix_hash
+    def register(self, block: int, key: BlockKey) -> None:
+        """Mark a full, computed block as holding the prefix ``key`` names."""
+        if self.enable_prefix_caching and key.digest not in self._cached and self._key_of[block] is None:
+            self._cached[key.digest] = block
+            self._key_of[block] = key
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the KV contents are gone or stale: sleep, new weights)."""
         self._cached.clear()
-        self._hash_of = [None] * self.num_blocks
+        self._key_of = [None] * self.num_blocks
 
     def _evict(self, block: int) -> None:
-        h = self._hash_of[block]
-        if h is not None:
-            del self._cached[h]
-            self._hash_of[block] = None
+        key = self._key_of[block]
+        if key is not None:
+            del self._cached[key.digest]
+            self._key_of[block] = None
 
 
 class KVCache:

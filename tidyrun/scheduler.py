@@ -76,15 +76,15 @@ class Scheduler:
         if seq.prompt_logprobs is not None:
             return []
         full = (seq.num_tokens - 1) // self.block_size
-        return self.pool.lookup(seq.block_hashes(self.block_size, full)) if full else []
+        return self.pool.lookup(seq.block_keys(self.block_size, full)) if full else []
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Offer blocks that became full and computed in the last step to the prefix cache."""
         full = seq.num_computed_tokens // self.block_size
         if full > seq.num_registered_blocks:
-            hashes = seq.block_hashes(self.block_size, full)
+            keys = seq.block_keys(self.block_size, full)
             for i in range(seq.num_registered_blocks, full):
-                self.pool.register(seq.block_table[i], hashes[i])
+                self.pool.register(seq.block_table[i], keys[i])
             seq.num_registered_blocks = full
 
     def _preempt(self, seq: Sequence) -> None:

@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import kv_cache
+from .kv_cache import BlockKey
 from .sampling import unfiltered
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -88,7 +90,7 @@ class Sequence:
         self._text_final = False
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.draft_tokens: list[int] = []  # speculative tokens scheduled for this step (verified, then cleared)
-        self._block_hashes: list[int] = []
+        self._block_keys: list[BlockKey] = []
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         # Logprobs, when asked: one record per output token, their running sum, and one per prompt token
         # (index i: token i given tokens < i; index 0 stays None). Prompt records are written by position,
@@ -161,13 +163,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
-        """Prefix hashes of the first ``num_blocks`` full blocks: block i's hash covers tokens [0, (i+1)*bs)."""
-        while len(self._block_hashes) < num_blocks:
-            i = len(self._block_hashes)
-            parent = self._block_hashes[-1] if i else 0
-            self._block_hashes.append(hash((parent, tuple(self.token_ids[i * block_size:(i + 1) * block_size]))))
-        return self._block_hashes[:num_blocks]
+    def block_keys(self, block_size: int, num_blocks: int) -> list[BlockKey]:
+        """Prefix-cache keys of the first ``num_blocks`` full blocks: block i's digest covers tokens
+        [0, (i+1)*bs) (computed once per block)."""
+        while len(self._block_keys) < num_blocks:
+            i = len(self._block_keys)
+            parent = self._block_keys[-1].digest if i else b""
+            tokens = tuple(self.token_ids[i * block_size:(i + 1) * block_size])
+            self._block_keys.append(BlockKey(kv_cache.prefix_digest(parent, tokens), parent, tokens))
+        return self._block_keys[:num_blocks]
 
     def below_min_tokens(self) -> bool:
         return self.num_output_tokens < self.params.min_tokens
