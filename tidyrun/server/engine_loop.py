@@ -43,7 +43,8 @@ class _Failure:
 
 @dataclass
 class EngineStats:
-    """Figures the metrics endpoint reads; replaced whole by the loop thread after every step."""
+    """Figures the metrics endpoint reads; replaced whole by the loop thread after every step (the device
+    memory figures only after lifecycle calls: reading them walks the ledger)."""
 
     values: dict = field(default_factory=dict)
 
@@ -106,8 +107,10 @@ class EngineLoop:
         self._subscribers: dict[str, _Subscriber] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tidyrun-engine", daemon=True)
-        self.stats = EngineStats(llm.stats())
+        self._memory = llm.stats()["device_memory_bytes"]  # refreshed after lifecycle calls, not every step
+        self.stats = EngineStats(llm.stats(memory=False) | {"device_memory_bytes": self._memory})
         self.shutdown_report = None
+        self._died: str | None = None  # what killed the loop thread, if something did
 
     def start(self) -> None:
         self._thread.start()
@@ -115,6 +118,17 @@ class EngineLoop:
     @property
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def unhealthy(self) -> str | None:
+        """None while the loop serves requests; else why it does not (for /health's 503)."""
+        if self._died is not None:
+            return f"the engine thread died: {self._died}"
+        if self._stopping.is_set():
+            return "the engine is shutting down or shut down"
+        if not self._thread.is_alive():
+            return "the engine thread is not running"
+        return None
 
     # -- called from the event loop -----------------------------------------------------
 
@@ -167,7 +181,10 @@ class EngineLoop:
                     self._execute(cmd)
                 if llm.has_unfinished_requests():
                     self._step()
-                self.stats = EngineStats(llm.stats())
+                self.stats = EngineStats(llm.stats(memory=False) | {"device_memory_bytes": self._memory})
+        except BaseException as exc:  # the loop itself failed (a step's own errors are handled in _step)
+            self._died = f"{type(exc).__name__}: {exc}"
+            logger.exception("the engine loop died")
         finally:
             self._shutdown()
 
@@ -192,7 +209,13 @@ class EngineLoop:
             except Exception as exc:
                 loop.call_soon_threadsafe(_set_exception, future, exc)
             else:
+                self._refresh_memory()  # sleep, wake_up, update_weights...: before the caller sees the result
                 loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _refresh_memory(self) -> None:
+        if not self.llm.is_shut_down:
+            self._memory = self.llm.stats()["device_memory_bytes"]
+            self.stats = EngineStats(self.stats.values | {"device_memory_bytes": self._memory})
 
     def _step(self) -> None:
         try:
