@@ -477,3 +477,15 @@ def test_gpu_execution_options_are_validated(checkpoint, kwargs, message):
 def test_triton_kernels_need_cuda(checkpoint):
     with pytest.raises(InvalidRequestError, match="needs a CUDA device"):
         LLM(checkpoint, device="cpu", kernels="triton")
+
+
+def test_text_that_is_not_unicode_is_a_clear_error(tiny_llama_dir):
+    """A lone surrogate (JSON can carry "\\ud800") used to reach the tokenizer and raise a bare TypeError."""
+    with LLM(tiny_llama_dir, device="cpu", max_model_len=64) as llm:
+        with pytest.raises(InvalidRequestError, match=r"prompt is not valid Unicode: surrogates not allowed at "
+                                                       r"character 1 \('\\ud800'\)"):
+            llm.generate("a\ud800b", use_tqdm=False)
+        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        with pytest.raises(InvalidRequestError, match="not valid Unicode"):
+            llm.chat([{"role": "user", "content": "x\udfff"}], chat_template=template, use_tqdm=False)
+        assert llm.generate("still serving", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

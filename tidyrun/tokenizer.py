@@ -17,6 +17,18 @@ from .errors import InvalidRequestError
 _DETOKENIZE_CONTEXT = 6
 
 
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud800", which JSON can carry):
+    tokenizers raise a bare TypeError on it."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{what} is not valid Unicode: {exc.reason} at character {exc.start} "
+                                  f"({text[exc.start:exc.end]!a})") from None
+
+
 class Tokenizer:
     """Encode/decode/chat-template for one model; stateless after construction."""
 
@@ -37,6 +49,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(text).__name__}")
+        check_unicode(text, "prompt")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
