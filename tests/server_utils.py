@@ -72,10 +72,10 @@ class ServerProcess:
         return self.proc.returncode, err
 
 
-def smol_server():
-    """A server on the default model (max_model_len 512, served as "smol") for one test module: it must stop
-    cleanly, without a traceback, and its shutdown must prove nothing survived."""
-    srv = ServerProcess("--max-model-len", "512", "--served-model-name", "smol")
+def smol_server(*extra: str):
+    """A server on the default model (max_model_len 512, served as "smol", ``extra`` options added) for one test
+    module: it must stop cleanly, without a traceback, and its shutdown must prove nothing survived."""
+    srv = ServerProcess("--max-model-len", "512", "--served-model-name", "smol", *extra)
     yield srv
     code, err = srv.stop()
     assert code == 0, err

@@ -50,10 +50,18 @@ def test_the_loop_does_not_walk_the_ledger_every_step(folder):
 
 
 def test_a_dead_loop_says_why(folder):
-    loop = EngineLoop(LLM(folder, device="cpu", max_model_len=128))
+    """/health answers 503 with the reason, the server is told to stop (so `tidyrun serve` exits 1), and the
+    engine is still shut down."""
+    from fastapi.testclient import TestClient
+
+    from tidyrun.server import create_app
+
+    deaths = []
+    loop = EngineLoop(LLM(folder, device="cpu", max_model_len=128), on_death=deaths.append)
+    client = TestClient(create_app(loop, "tiny"), raise_server_exceptions=False)  # no lifespan: we start it
     assert loop.unhealthy == "the engine thread is not running"
     loop.start()
-    assert loop.unhealthy is None
+    assert loop.unhealthy is None and client.get("/health").status_code == 200
 
     def fail() -> bool:
         raise RuntimeError("boom")
@@ -62,5 +70,16 @@ def test_a_dead_loop_says_why(folder):
     out = asyncio.run(_generate(loop, 4))
     assert out.outputs[0].finish_reason == "abort"  # the request in flight ends, it does not hang
     loop._thread.join(10)
-    assert loop.unhealthy == "the engine thread died: RuntimeError: boom"
+    assert loop.unhealthy == "the engine thread died: RuntimeError: boom" and deaths == ["RuntimeError: boom"]
+    health = client.get("/health")
+    assert health.status_code == 503
+    assert health.json()["error"]["message"] == "engine is not serving: the engine thread died: RuntimeError: boom"
     assert loop.shutdown_report is not None and loop.shutdown_report.clean  # the engine was still shut down
+    assert loop.stop() is loop.shutdown_report  # stopping a dead loop is safe and ordered
+
+
+def test_stop_before_start_shuts_the_engine_down(folder):
+    """`tidyrun serve` whose port is taken never starts the loop; stopping it used to join an unstarted thread."""
+    loop = EngineLoop(LLM(folder, device="cpu", max_model_len=128))
+    report = loop.stop()
+    assert report is not None and report.clean and loop.llm.is_shut_down

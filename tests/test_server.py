@@ -17,9 +17,16 @@ from server_utils import ServerProcess, openai_client, smol_server
 from tidyrun.synthetic import write_random_checkpoint
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+ADMIN = {"authorization": "Bearer admin-key"}
 
 
-server = pytest.fixture(scope="module")(smol_server)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The smol server with its lifecycle routes on, keyed, and weight updates confined to an empty folder."""
+    yield from smol_server("--enable-lifecycle-endpoints", "--admin-key", "admin-key",
+                           "--weights-dir", str(tmp_path_factory.mktemp("weights")))
+
+
 client = pytest.fixture(scope="module")(openai_client)
 
 
@@ -109,14 +116,14 @@ def test_prompt_too_long_and_client_errors(client):
 
 def test_sleep_wake_over_http(server, client):
     before = client.completions.create(model="smol", prompt="Hello", max_tokens=6, temperature=0).choices[0].text
-    r = httpx.post(server.url + "/sleep", params={"level": 1})
+    r = httpx.post(server.url + "/sleep", params={"level": 1}, headers=ADMIN)
     assert r.status_code == 200 and r.json()["sleeping"]
     assert server.metrics()["tidyrun_sleeping"] == 1
-    assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": True}
+    assert httpx.get(server.url + "/is_sleeping", headers=ADMIN).json() == {"is_sleeping": True}
     with pytest.raises(openai.ConflictError, match="asleep"):
         client.completions.create(model="smol", prompt="Hello", max_tokens=6)
-    assert httpx.post(server.url + "/sleep", params={"level": 7}).status_code == 400
-    assert httpx.post(server.url + "/wake_up").json() == {"sleeping": False}
+    assert httpx.post(server.url + "/sleep", params={"level": 7}, headers=ADMIN).status_code == 400
+    assert httpx.post(server.url + "/wake_up", headers=ADMIN).json() == {"sleeping": False}
     after = client.completions.create(model="smol", prompt="Hello", max_tokens=6, temperature=0).choices[0].text
     assert after == before
     m = server.metrics()
@@ -124,12 +131,15 @@ def test_sleep_wake_over_http(server, client):
 
 
 def test_update_weights_from_a_bad_path(server):
-    r = httpx.post(server.url + "/update_weights", json={"path": "/no/such/place"})
+    r = httpx.post(server.url + "/update_weights", json={"path": "."}, headers=ADMIN)  # the (empty) weights dir
     assert r.status_code == 400 and "safetensors" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/update_weights", json={"path": "/no/such/place"}, headers=ADMIN)
+    assert r.status_code == 403 and "weights dir" in r.json()["error"]["message"]
 
 
 def test_shutdown_endpoint_not_exposed(server):
     assert httpx.post(server.url + "/shutdown").status_code == 404
+    assert httpx.post(server.url + "/shutdown", headers=ADMIN).status_code == 404
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
@@ -177,11 +187,14 @@ def test_load_64_concurrent_streaming_clients(server):
 
 
 def test_api_key(tiny_dir):
-    srv = ServerProcess("--model", tiny_dir, "--api-key", "sekret", "--max-model-len", "256")
+    srv = ServerProcess("--model", tiny_dir, "--api-key", "sekret", "--max-model-len", "256",
+                        "--enable-lifecycle-endpoints")  # no --admin-key: the API key guards them too
     try:
         assert httpx.get(srv.url + "/v1/models").status_code == 401
         assert httpx.get(srv.url + "/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 401
         assert httpx.post(srv.url + "/sleep").status_code == 401
+        assert httpx.get(srv.url + "/is_sleeping", headers={"authorization": "Bearer sekret"}).json() == {
+            "is_sleeping": False}
         assert httpx.get(srv.url + "/health").status_code == 200
         ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
         assert ok.completions.create(model=ok.models.list().data[0].id, prompt="hi", max_tokens=3).choices

@@ -192,26 +192,42 @@ def cmd_serve(args) -> int:
     llm = _build(args)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "SmolLM2-135M-Instruct")
-    loop = EngineLoop(llm)
     server: uvicorn.Server | None = None
 
     def request_exit() -> None:
         server.should_exit = True
 
+    loop = EngineLoop(llm, on_death=lambda reason: request_exit())  # a dead engine stops the server: exit 1
+
     app = create_app(loop, name, api_key=args.api_key,
-                     request_exit=request_exit if args.enable_shutdown_endpoint else None)
+                     request_exit=request_exit if args.enable_shutdown_endpoint else None,
+                     enable_lifecycle_endpoints=args.enable_lifecycle_endpoints, admin_key=args.admin_key,
+                     weights_dir=args.weights_dir)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.graceful_timeout)
     server = _graceful_server(config)
     try:
         server.run()
     finally:
-        if loop.running or not llm.is_shut_down:  # lifespan did not run (e.g. the port was taken)
+        if not llm.is_shut_down:  # lifespan did not stop the loop (e.g. the port was taken): stop it, in order
             loop.stop()
-            llm.shutdown()
-    report = loop.shutdown_report or llm.shutdown()
+    report = loop.shutdown_report
+    if loop.died is not None:
+        print(f"tidyrun serve: the engine died ({loop.died}); engine shut down: {report}", file=sys.stderr)
+        return 1
     print(f"tidyrun serve: engine shut down: {report}", file=sys.stderr)
-    return 0 if report.clean else 1
+    return 0 if report is not None and report.clean else 1
+
+
+def _check_serve_args(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse an unsafe or ineffective admin setup as a usage error (exit 2), before the model is loaded."""
+    from .server.app import admin_key_of
+
+    try:
+        admin_key_of(args.enable_lifecycle_endpoints, args.api_key, args.admin_key, args.weights_dir,
+                     args.enable_shutdown_endpoint)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,11 +247,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and lifecycle routes")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on the /v1 routes (and on the lifecycle routes "
+                            "when no --admin-key is given)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--graceful-timeout", type=float, default=10.0,
                        help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
-    serve.add_argument("--enable-shutdown-endpoint", action="store_true", help="expose POST /shutdown")
+    admin = serve.add_argument_group(
+        "lifecycle and admin routes",
+        "POST /sleep, /wake_up, /reset_prefix_cache, /update_weights, /shutdown and GET /is_sleeping change or stop "
+        "what every client is served; they do not exist (404) unless enabled here, and then each needs "
+        "'Authorization: Bearer <admin key>'")
+    admin.add_argument("--enable-lifecycle-endpoints", action="store_true",
+                       help="expose the lifecycle routes (vLLM keeps them behind its dev mode); needs --admin-key "
+                            "or --api-key")
+    admin.add_argument("--admin-key", default=None, metavar="KEY",
+                       help="the key of the lifecycle routes (default: --api-key); /v1 clients never need it")
+    admin.add_argument("--weights-dir", default=None, metavar="DIR",
+                       help="expose POST /update_weights, reading only files that resolve (after '..' and symbolic "
+                            "links) inside DIR; relative request paths are taken from DIR")
+    admin.add_argument("--enable-shutdown-endpoint", action="store_true",
+                       help="also expose POST /shutdown; needs --enable-lifecycle-endpoints (stopping the server "
+                            "stays a separate opt-in)")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     audit = sub.add_parser("audit", help="create -> generate -> shutdown N times; print memory and survivors")
@@ -255,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     Ctrl-C ends the command at once with one line and no traceback; the
     engine was shut down on the way out.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        _check_serve_args(parser, args)
     try:
         return args.func(args)
     except TidyrunError as exc:

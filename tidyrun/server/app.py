@@ -1,9 +1,18 @@
-"""The FastAPI application: OpenAI-compatible routes, lifecycle routes, metrics, errors."""
+"""The FastAPI application: OpenAI-compatible routes, lifecycle routes, metrics, errors.
+
+The lifecycle and admin routes (sleep, wake, weight updates, prefix-cache
+reset, shutdown) change or stop what every client is served, so they are not
+part of the default surface: as vLLM keeps them behind its dev-mode switch,
+they exist only with ``enable_lifecycle_endpoints`` and then always need an
+admin key. Weight updates read only from one folder the operator names.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -12,6 +21,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
@@ -51,9 +61,88 @@ def _as_api_error(exc: TidyrunError) -> APIError:
     return APIError(400, f"{type(exc).__name__}: {exc}")
 
 
+def admin_key_of(enable_lifecycle_endpoints: bool = False, api_key: str | None = None,
+                 admin_key: str | None = None, weights_dir: str | None = None,
+                 enable_shutdown_endpoint: bool = False) -> str | None:
+    """The key the lifecycle routes require (None: they are off), or ValueError naming the options at fault.
+
+    Checked before anything is built (the CLI calls it before loading the
+    model), and refusing combinations that would do nothing: an admin key,
+    a weights dir or a shutdown route without the lifecycle switch would
+    otherwise be silently ignored, and the switch without any key would
+    let anyone who reaches the port sleep, overwrite or stop the model.
+    """
+    if not enable_lifecycle_endpoints:
+        for given, option in ((admin_key is not None, "admin_key (--admin-key)"),
+                              (weights_dir is not None, "weights_dir (--weights-dir)"),
+                              (enable_shutdown_endpoint, "POST /shutdown (--enable-shutdown-endpoint)")):
+            if given:
+                raise ValueError(f"{option} needs enable_lifecycle_endpoints (--enable-lifecycle-endpoints): "
+                                 "without it the lifecycle and admin routes do not exist")
+        return None
+    key = admin_key if admin_key is not None else api_key
+    if key is None:
+        raise ValueError("enable_lifecycle_endpoints (--enable-lifecycle-endpoints) needs a key: give admin_key "
+                         "(--admin-key) or api_key (--api-key); the lifecycle routes are never served "
+                         "without authentication")
+    if not key:
+        raise ValueError(f"{'admin_key (--admin-key)' if admin_key is not None else 'api_key (--api-key)'} "
+                         "must not be empty: it is the key of the lifecycle routes")
+    if weights_dir is not None and not os.path.isdir(weights_dir):
+        raise ValueError(f"weights_dir (--weights-dir) {weights_dir!r} is not an existing folder")
+    return key
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether the resolved ``path`` is ``root`` or below it (both already passed through realpath)."""
+    return os.path.commonpath([path, root]) == root
+
+
+def _read_update(files: list[str], root: str, check_finite: bool) -> dict:
+    """Every tensor of ``files`` in host memory, by name, refused as a whole if one is unreadable, repeated or
+    (``check_finite``) not finite.
+
+    A dict, not an iterator, goes to the engine: it checks a mapping's names,
+    shapes and dtypes completely before copying any of it, so a bad later
+    shard cannot leave the model half-updated. The price is holding the
+    whole update in host memory while it is checked and copied.
+    """
+    import torch
+
+    from ..loader.hf import iter_safetensors
+
+    weights: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for path in files:
+        shard = os.path.relpath(path, root)
+        for name, tensor in iter_safetensors([path]):
+            if name in weights:
+                raise InvalidRequestError(f"update_weights: tensor {name!r} is in both {origin[name]!r} and "
+                                          f"{shard!r}; nothing was updated")
+            if check_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise InvalidRequestError(f"update_weights: tensor {name!r} in {shard!r} holds NaN or infinite "
+                                          "values (check_finite); nothing was updated")
+            weights[name], origin[name] = tensor, shard
+    return weights
+
+
 def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = None,
-               request_exit: Callable[[], None] | None = None) -> FastAPI:
-    """Build the app around a started-on-startup EngineLoop. ``request_exit`` enables POST /shutdown."""
+               request_exit: Callable[[], None] | None = None, *, enable_lifecycle_endpoints: bool = False,
+               admin_key: str | None = None, weights_dir: str | None = None) -> FastAPI:
+    """Build the app around a started-on-startup EngineLoop.
+
+    ``api_key`` guards the /v1 routes. ``enable_lifecycle_endpoints`` adds
+    POST /sleep, /wake_up, /reset_prefix_cache, GET /is_sleeping, and (with
+    ``weights_dir``) POST /update_weights, reading only below that folder;
+    ``request_exit`` adds POST /shutdown, and needs the switch as well.
+    Every one of them needs ``admin_key`` (or, without one, ``api_key``);
+    without the switch they answer 404 like any unknown path. Raises
+    ValueError naming the options for a combination that would leave them
+    unauthenticated or would be ignored (see ``admin_key_of``).
+    """
+    lifecycle_key = admin_key_of(enable_lifecycle_endpoints, api_key, admin_key, weights_dir,
+                                 request_exit is not None)
+    weights_root = os.path.realpath(weights_dir) if weights_dir is not None else None
     llm = loop.llm
     tokenizer = llm.tokenizer
     max_model_len = llm.max_model_len
@@ -104,12 +193,22 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         metrics.count(request.url.path, 500)
         return _error_body(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
+    def bearer_matches(request: Request, key: str) -> bool:
+        header = request.headers.get("authorization", "").encode()
+        return hmac.compare_digest(header, f"Bearer {key}".encode())  # constant time: no key guessing by timing
+
     async def check_key(request: Request) -> None:
         if api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {api_key}":
+        if not bearer_matches(request, api_key):
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           "authentication_error", code="invalid_api_key")
+
+    async def check_admin(request: Request) -> None:
+        """Runs before the body and query are validated, so a caller without the key learns nothing else."""
+        if not bearer_matches(request, lifecycle_key):
+            raise APIError(401, "invalid or missing admin key: lifecycle routes need 'Authorization: Bearer "
+                           "<admin key>' (the server's --admin-key, or its --api-key when no admin key is set)",
                            "authentication_error", code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
@@ -325,8 +424,10 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
 
     @app.get("/health")
     async def health():
-        if not loop.running:
-            raise APIError(503, "engine is not running", "service_unavailable")
+        """200 while the engine thread serves; 503 saying why not (it died: the error; or it is stopping)."""
+        reason = loop.unhealthy
+        if reason is not None:
+            raise APIError(503, f"engine is not serving: {reason}", "service_unavailable")
         return {"status": "ok", "sleeping": loop.stats.values.get("sleeping", False)}
 
     @app.get("/metrics")
@@ -334,13 +435,25 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         body, content_type = metrics.render()
         return PlainTextResponse(body, media_type=content_type)
 
-    @app.post("/sleep", dependencies=[Depends(check_key)])
+    if enable_lifecycle_endpoints:
+        _add_lifecycle_routes(app, loop, metrics, check_admin, weights_root, request_exit)
+
+    return app
+
+
+def _add_lifecycle_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics, check_admin: Callable,
+                          weights_root: str | None, request_exit: Callable[[], None] | None) -> None:
+    """POST /sleep, /wake_up, /reset_prefix_cache, GET /is_sleeping; /update_weights with a weights dir;
+    /shutdown with ``request_exit``. All behind ``check_admin``."""
+    admin = [Depends(check_admin)]
+
+    @app.post("/sleep", dependencies=admin)
     async def sleep(level: int = Query(1, ge=1, le=2)):
         freed = await loop.call(lambda e: e.sleep(level))
         metrics.count("/sleep", 200)
         return {"sleeping": True, "level": level, "freed_bytes": freed}
 
-    @app.post("/wake_up", dependencies=[Depends(check_key)])
+    @app.post("/wake_up", dependencies=admin)
     async def wake_up(tags: list[str] | None = Query(None)):
         def wake(e):
             e.wake_up(tags)
@@ -350,23 +463,55 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         metrics.count("/wake_up", 200)
         return {"sleeping": still_sleeping}
 
-    @app.get("/is_sleeping", dependencies=[Depends(check_key)])
+    @app.get("/is_sleeping", dependencies=admin)
     async def is_sleeping():
         return {"is_sleeping": await loop.call(lambda e: e.is_sleeping)}
 
-    @app.post("/update_weights", dependencies=[Depends(check_key)])
-    async def update_weights(body: UpdateWeightsRequest):
-        from ..loader.hf import iter_safetensors, safetensors_files
+    @app.post("/reset_prefix_cache", dependencies=admin)
+    async def reset_prefix_cache():
+        if not await loop.call(lambda e: e.reset_prefix_cache()):
+            raise APIError(409, "the prefix cache was not reset: requests are in flight (as in vLLM, it is reset "
+                           "only while the engine is idle); retry when they are done", "conflict")
+        metrics.count("/reset_prefix_cache", 200)
+        return {"reset": True}
 
-        files = safetensors_files(body.path)
-        loaded = await loop.call(lambda e: e.update_weights(iter_safetensors(files)))
-        metrics.count("/update_weights", 200)
-        return {"updated": loaded, "files": len(files)}
+    if weights_root is not None:
+        def update_files(raw: str) -> list[str]:
+            """The .safetensors files ``raw`` names, resolved; 403 if it or any of them leads outside the dir."""
+            from ..loader.hf import safetensors_files
+
+            outside = APIError(403, f"path {raw!r} is outside the server's weights dir (--weights-dir {weights_root!r}"
+                               "); updates are read only from below it, after resolving '..' and symbolic links",
+                               "permission_error", param="path", code="path_not_allowed")
+            try:
+                os.fsencode(raw)  # a lone surrogate (valid JSON) cannot name a file
+            except UnicodeError:
+                raw = ""
+            if not raw or "\x00" in raw:
+                raise APIError(400, "path must be a non-empty file system path (no NUL or unencodable characters)",
+                               param="path")
+            path = os.path.realpath(os.path.join(weights_root, raw))  # an absolute ``raw`` replaces the root here
+            if not _inside(path, weights_root):
+                raise outside  # before looking at it: outside paths are not probed for existence
+            if not os.path.exists(path):
+                raise APIError(400, f"path {raw!r} does not exist in the weights dir (--weights-dir {weights_root!r})",
+                               param="path", code="path_not_found")
+            files = [os.path.realpath(f) for f in safetensors_files(path)]
+            if not all(_inside(f, weights_root) for f in files):
+                raise outside  # a folder inside whose files link out
+            return files
+
+        @app.post("/update_weights", dependencies=admin)
+        async def update_weights(body: UpdateWeightsRequest):
+            files = update_files(body.path)
+            # Reading shards takes seconds for big models: off the event loop, so other requests keep flowing.
+            weights = await run_in_threadpool(_read_update, files, weights_root, body.check_finite)
+            loaded = await loop.call(lambda e: e.update_weights(weights))
+            metrics.count("/update_weights", 200)
+            return {"updated": loaded, "files": len(files)}
 
     if request_exit is not None:
-        @app.post("/shutdown", dependencies=[Depends(check_key)])
+        @app.post("/shutdown", dependencies=admin)
         async def shutdown():
             request_exit()
             return {"shutting_down": True}
-
-    return app

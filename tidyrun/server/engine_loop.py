@@ -101,8 +101,11 @@ class Submission:
 class EngineLoop:
     """Runs ``llm`` on a background thread until ``stop()``."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, on_death: Callable[[str], None] | None = None) -> None:
+        """``on_death(reason)`` runs on the loop thread if it dies (after the engine was shut down): the
+        server uses it to stop, so the process exits non-zero instead of serving 503s forever."""
         self.llm = llm
+        self._on_death = on_death
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._subscribers: dict[str, _Subscriber] = {}
         self._stopping = threading.Event()
@@ -153,10 +156,23 @@ class EngineLoop:
         return await future
 
     def stop(self, timeout: float = 30.0):
-        """Abort what is in flight, shut the engine down on its thread, and join it; returns the report."""
+        """Abort what is in flight, shut the engine down on its thread, and join it; returns the report.
+
+        Ordered: the engine is shut down by the thread that steps it, after its
+        last step, and this returns only once that thread has ended (a step
+        still running after ``timeout`` is waited for, with a warning: shutting
+        down beside a running step would free what it reads). A loop that never
+        started shuts the engine down here.
+        """
         self._stopping.set()
+        if self._thread.ident is None:  # never started (e.g. the server could not bind its port)
+            self._shutdown()
+            return self.shutdown_report
         self._commands.put(("stop",))
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine is still in a step %.0f s after stop(); waiting for it to end", timeout)
+            self._thread.join()
         return self.shutdown_report
 
     # -- the loop thread ---------------------------------------------------------------
@@ -187,6 +203,13 @@ class EngineLoop:
             logger.exception("the engine loop died")
         finally:
             self._shutdown()
+        if self._died is not None and self._on_death is not None:
+            self._on_death(self._died)
+
+    @property
+    def died(self) -> str | None:
+        """What killed the loop thread (None: nothing did)."""
+        return self._died
 
     def _execute(self, cmd: tuple) -> None:
         kind = cmd[0]

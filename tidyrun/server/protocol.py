@@ -319,7 +319,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class UpdateWeightsRequest(_Body):
-    path: str = Field(description="a .safetensors file or a folder of them, with Hugging Face tensor names")
+    path: str = Field(description="a .safetensors file or a folder of them, with Hugging Face tensor names; "
+                                  "relative paths are taken from the server's --weights-dir, and the path must "
+                                  "resolve (links followed) inside it")
+    check_finite: bool = Field(False, description="refuse the update if any tensor holds a NaN or an infinity "
+                                                  "(a diverged training step); costs one pass over the data")
 
 
 class EmbeddingRequest(_Body):
