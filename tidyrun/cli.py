@@ -165,7 +165,18 @@ def cmd_audit(args) -> int:
     return 1 if leaked_any else 0
 
 
-def _graceful_server(config):
+# Seconds uvicorn waits, after the grace period, for the aborted requests' last chunks to be written before it
+# cancels their handlers (which would cut the streams and log CancelledError tracebacks).
+_ABORT_FLUSH_S = 5.0
+
+
+def _graceful_server(config, grace_s: float, abort_all):
+    """A uvicorn server whose SIGTERM/SIGINT stop is the README's: stop accepting, let requests in flight run
+    ``grace_s`` seconds, then ``abort_all()`` so every remaining one ends with finish_reason "abort" (a
+    stream's last chunk and [DONE], a 200 body) before uvicorn's own deadline; ``config`` carries that
+    deadline (``grace_s + _ABORT_FLUSH_S``)."""
+    import threading
+
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -173,6 +184,10 @@ def _graceful_server(config):
         with the signal's status; by then the engine has shut down cleanly, so tidyrun exits 0."""
 
         def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:  # the first signal starts the grace period
+                timer = threading.Timer(grace_s, abort_all)
+                timer.daemon = True
+                timer.start()
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()
 
@@ -204,8 +219,8 @@ def cmd_serve(args) -> int:
                      enable_lifecycle_endpoints=args.enable_lifecycle_endpoints, admin_key=args.admin_key,
                      weights_dir=args.weights_dir)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.graceful_timeout)
-    server = _graceful_server(config)
+                            timeout_graceful_shutdown=args.graceful_timeout + _ABORT_FLUSH_S)
+    server = _graceful_server(config, args.graceful_timeout, loop.abort_all)
     try:
         server.run()
     finally:

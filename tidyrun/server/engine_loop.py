@@ -155,6 +155,12 @@ class EngineLoop:
         self._commands.put(("call", fn, future, asyncio.get_running_loop()))
         return await future
 
+    def abort_all(self) -> None:
+        """Abort every request in flight; each still gets its final output (finish_reason "abort"), so its
+        client sees a proper end: the graceful stop's last step, when the grace period is over. Safe from
+        any thread."""
+        self._commands.put(("abort_all",))
+
     def stop(self, timeout: float = 30.0):
         """Abort what is in flight, shut the engine down on its thread, and join it; returns the report.
 
@@ -224,6 +230,9 @@ class EngineLoop:
         elif kind == "abort":
             request_id = cmd[1]
             if self._subscribers.pop(request_id, None) is not None:
+                self.llm.abort_request(request_id)
+        elif kind == "abort_all":  # the subscribers stay: the next step hands them their aborted outputs
+            for request_id in self._subscribers:
                 self.llm.abort_request(request_id)
         elif kind == "call":
             _, fn, future, loop = cmd
