@@ -15,6 +15,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over (default 1)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences batched in one step at most (default 256)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def _build(args):
     from .engine import LLM
 
     return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs)
 
 
 def cmd_generate(args) -> int:
