@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/server_load.json")
     args = ap.parse_args()
     folder = write_random_checkpoint(tempfile.mkdtemp(prefix="tidyrun-load-"), "llama-tiny", dtype=torch.float32)
-    srv = ServerProcess("--model", folder, "--max-model-len", "256", "--max-num-seqs", "256")
+    srv = ServerProcess("--model", folder, "--max-model-len", "256", "--max-num-seqs", "256", log_to_file=True)
     try:
         refs = {}
         for p, prompt in enumerate(PROMPTS):  # each (prompt, length) greedy, alone

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -21,17 +22,22 @@ def free_port() -> int:
 class ServerProcess:
     """`tidyrun serve` in a child process; ``stop()`` sends SIGTERM and returns (exit code, stderr)."""
 
-    def __init__(self, *args: str, timeout: float = 180.0) -> None:
+    def __init__(self, *args: str, timeout: float = 180.0, log_to_file: bool = False) -> None:
+        """``log_to_file``: the server's output goes to a temporary file instead of pipes (a pipe nobody reads
+        fills after ~64 KB of access-log lines, and the server then blocks on its next log write)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.log = tempfile.TemporaryFile(mode="w+") if log_to_file else None
+        out = dict(stdout=self.log, stderr=subprocess.STDOUT) if log_to_file else dict(stdout=subprocess.PIPE,
+                                                                                      stderr=subprocess.PIPE)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tidyrun.cli", "serve", "--device", "cpu", "--port", str(self.port), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            text=True, env=env, **out)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stderr.read()}")
+                raise RuntimeError(f"server exited early:\n{self._output()[1]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -64,12 +70,20 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            _, err = self.proc.communicate(timeout=timeout)
+            _, err = self._output(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
+            self._output()
             raise
         return self.proc.returncode, err
+
+    def _output(self, timeout: float | None = None) -> tuple[str, str]:
+        """(stdout, stderr) once the process has ended (with a log file: its whole content as stderr)."""
+        if self.log is None:
+            return self.proc.communicate(timeout=timeout)
+        self.proc.wait(timeout)
+        self.log.seek(0)
+        return "", self.log.read()
 
 
 def smol_server(*extra: str):
