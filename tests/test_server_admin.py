@@ -310,3 +310,18 @@ def test_serve_cli_wires_the_switches(folders):
         if srv.proc.poll() is None:
             srv.stop()
     assert code == 0
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
+    ("/v1/embeddings", b'{"input": "a\\ud800b"}'),
+    ("/v1/completions", b'{"prompt": "a\xff\xfeb", "max_tokens": 2}'),  # not UTF-8 at all
+])
+def test_malformed_text_is_a_400(loop, route, body):
+    """A lone surrogate is valid JSON but not Unicode: it used to reach the tokenizer and answer 500. (Chat
+    messages: tests/test_bad_input.py, with a chat template.)"""
+    r = client(loop).post(route, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "not valid Unicode" in error["message"] or "parsing the body" in error["message"], error
