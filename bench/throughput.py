@@ -11,7 +11,8 @@ batch generating its longest output; only each request's own output tokens count
 (b) ``llm.step()`` time with B requests decoding (prompt ``--decode-prompt-len``),
 median of ``--decode-steps`` steps, against the floor (weight bytes + KV bytes read
 per step) / ``--peak-bw``; for a mixture of experts the weight bytes count only the
-experts routed to (``unrouted_expert_bytes``). Each engine runs alone on the device: tidyrun engines
+experts routed to (``unrouted_expert_bytes``). With both parts, an idealised time for (a) from
+the measured prefill rate and step times (``ideal_seconds``) is printed next to the measured one. Each engine runs alone on the device: tidyrun engines
 are shut down before the next starts, transformers runs last.
 
 The random-weight checkpoint (tidyrun.synthetic) is written to
@@ -152,8 +153,12 @@ def decode_steps(ckpt: str, args: argparse.Namespace, mode: str) -> list[dict]:
         for b in args.batch_sizes:
             rids = [llm.add_request({"prompt_token_ids": [rng.randrange(10, mc.vocab_size - 10) for _ in range(plen)]},
                                     params) for _ in range(b)]
+            sync(args.device)
+            t_prefill = time.perf_counter()
             while not all(llm.request_output(r).outputs[0].token_ids for r in rids):  # every prefill done
                 llm.step()
+            sync(args.device)
+            prefill_tok_s = b * plen / (time.perf_counter() - t_prefill)
             for _ in range(3):
                 llm.step()
             start = [llm.request_output(r) for r in rids]
@@ -176,12 +181,39 @@ def decode_steps(ckpt: str, args: argparse.Namespace, mode: str) -> list[dict]:
             step = statistics.median(times)
             read = weight_bytes - unrouted_expert_bytes(mc, b, elem)
             floor = (read + kv_bytes) / args.peak_bw
-            rows.append(dict(mode=mode, batch=b, median_step_ms=step * 1e3, mean_step_ms=statistics.fmean(times) * 1e3,
+            rows.append(dict(mode=mode, batch=b, prefill_tok_s=prefill_tok_s, median_step_ms=step * 1e3, mean_step_ms=statistics.fmean(times) * 1e3,
                              tok_s=b / step, mean_context=ctx, weight_bytes=read, kv_bytes_per_step=kv_bytes,
                              floor_ms=floor * 1e3, floor_fraction=floor / step, steps_ms=[t * 1e3 for t in times]))
     finally:
         llm.shutdown()
     return rows
+
+
+def ideal_seconds(work: Workload, decode: list[dict]) -> float | None:
+    """An idealised time for workload (a): every prompt prefilled at the best measured prefill rate, then all
+    requests decoding together (perfect batching, no preemption, no host gaps between steps), step s costing
+    the measured median step time at the number of requests still running, linearly interpolated between the
+    measured batch sizes (their context was ``--decode-prompt-len``; real contexts grow, so this is a bound
+    only up to that). None without decode rows."""
+    if not decode:
+        return None
+    points = sorted({r["batch"]: r["median_step_ms"] / 1e3 for r in decode}.items())
+    rate = max(r["prefill_tok_s"] for r in decode)
+
+    def step_s(batch: int) -> float:
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if batch <= b1:
+                return t0 + (t1 - t0) * (max(batch, b0) - b0) / (b1 - b0)
+        return points[-1][1] * batch / points[-1][0]  # beyond the largest measured batch: proportional
+
+    outs = sorted(work[1], reverse=True)
+    running = len(outs)
+    total, step = sum(len(p) for p in work[0]) / rate, 0
+    for n in sorted(set(outs)):  # requests of output length n stop after step n
+        total += (n - step) * step_s(running)
+        running -= outs.count(n)
+        step = n
+    return total
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -258,6 +290,12 @@ def main() -> None:
             ratio = f"{r['vs_transformers']:.1f}x" if hf else "-"
             print(f"| {r['engine']} | {r['requests']} | {r['output_tokens']} | {r['computed_tokens']} "
                   f"| {r['wall_s']:.2f} | {r['tok_s']:.0f} | {ratio} |")
+        ideal = ideal_seconds(work, decode)
+        if ideal is not None:
+            best = min(r["wall_s"] for r in throughput if r["engine"].startswith("tidyrun"))
+            print(f"idealised bound (prefill at the measured rate, then perfect batching at the measured step "
+                  f"times): {ideal:.2f} s, {sum(work[1]) / ideal:.0f} tok/s; tidyrun measured {best:.2f} s "
+                  f"({ideal / best:.0%} of the bound's speed)")
     if decode:
         print(f"\n(b) decode step, prompt {args.decode_prompt_len}, median of {args.decode_steps} steps, "
               f"floor at {args.peak_bw / 1e12:.2f} TB/s")
@@ -271,7 +309,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(shape=args.shape, dtype=args.dtype, device=device, torch=torch.__version__,
-                       transformers=transformers.__version__, args=vars(args), throughput=throughput, decode=decode),
+                       transformers=transformers.__version__, args=vars(args), throughput=throughput, decode=decode,
+                       ideal_s=ideal_seconds(work, decode)),
                   f, indent=1)
 
 
