@@ -71,3 +71,26 @@ def test_tiny_hf_checkpoint_matches_transformers(tmp_path, hf_tokenizer_dir, arc
     with LLM(path, device="cpu", dtype="float32") as engine:
         ids = engine.tokenizer.encode("Hello there, how are you doing today? I am fine.")
         assert_matches_reference(engine, ref, ids)
+
+
+@pytest.mark.parametrize("model_type,fields,expected", [
+    ("mistral", {}, (4096,) * 4),  # transformers' default window when the key is missing
+    ("mistral", {"sliding_window": None}, ()),
+    ("mistral", {"sliding_window": 64, "layer_types": ["full_attention"] * 4}, (64,) * 4),  # Mistral ignores them
+    ("mixtral", {}, ()),
+    ("phi3", {"sliding_window": 64}, (64,) * 4),
+    ("qwen2", {"sliding_window": 64}, ()),  # no use_sliding_window: transformers drops the window
+    ("qwen2", {"sliding_window": 64, "layer_types": ["sliding_attention"] * 4}, ()),
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 2}, (0, 0, 4096, 4096)),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64,
+               "layer_types": ["sliding_attention", "full_attention"] * 2}, (64, 0, 64, 0)),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 4}, (64,) * 4),
+    ("llama", {"sliding_window": 64}, ()),
+])
+def test_sliding_windows_read_as_transformers_reads_them(model_type, fields, expected):
+    """Each family's windowed layers and window from config.json fields, as transformers' configuration and
+    attention classes (transformers 5) read them."""
+    from tidyrun.loader.hf import _sliding_windows
+
+    raw = dict(model_type=model_type, num_hidden_layers=4, **fields)
+    assert _sliding_windows(raw, model_type, 1 << 20) == expected

@@ -205,12 +205,14 @@ def test_api_key(tiny_dir):
     assert code == 0 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, "POST /shutdown"])
 def test_graceful_stop_during_streaming(tiny_dir, sig):
     """Requests still running when the grace period ends are aborted the way the README promises: a stream's
     last chunk carries finish_reason "abort" and is followed by [DONE]; a non-streaming client gets its 200
     with finish_reason "abort". No 500, no cut stream, no traceback in the log."""
-    srv = ServerProcess("--model", tiny_dir, "--max-model-len", "2048", "--graceful-timeout", "2")
+    admin = ("--enable-lifecycle-endpoints", "--admin-key", "k", "--enable-shutdown-endpoint")
+    srv = ServerProcess("--model", tiny_dir, "--max-model-len", "2048", "--graceful-timeout", "2",
+                        *(admin if sig == "POST /shutdown" else ()))
     outcomes: list[tuple] = []
 
     def request(i, stream):
@@ -232,7 +234,11 @@ def test_graceful_stop_during_streaming(tiny_dir, sig):
     for t in threads:
         t.start()
     time.sleep(1.5)
-    code, err = srv.stop(sig)
+    if sig == "POST /shutdown":
+        assert httpx.post(srv.url + "/shutdown", headers={"authorization": "Bearer k"}).status_code == 200
+        code, err = srv.proc.wait(60), srv._output()[1]
+    else:
+        code, err = srv.stop(sig)
     for t in threads:
         t.join(30)
     assert code == 0, err

@@ -184,11 +184,19 @@ def _graceful_server(config, grace_s: float, abort_all):
         """uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, so the process dies
         with the signal's status; by then the engine has shut down cleanly, so tidyrun exits 0."""
 
-        def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:  # the first signal starts the grace period
+        def _start_grace(self) -> None:
+            if not self.should_exit:  # the first stop request starts the grace period
                 timer = threading.Timer(grace_s, abort_all)
                 timer.daemon = True
                 timer.start()
+
+        def begin_stop(self) -> None:
+            """Stop accepting and start the grace period (POST /shutdown, or the engine died)."""
+            self._start_grace()
+            self.should_exit = True
+
+        def handle_exit(self, sig, frame) -> None:
+            self._start_grace()  # before uvicorn's handler: a second Ctrl-C still forces the exit
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()
 
@@ -211,7 +219,7 @@ def cmd_serve(args) -> int:
     server: uvicorn.Server | None = None
 
     def request_exit() -> None:
-        server.should_exit = True
+        server.begin_stop()  # POST /shutdown, or the engine died: the same grace period as a signal
 
     loop = EngineLoop(llm, on_death=lambda reason: request_exit())  # a dead engine stops the server: exit 1
 

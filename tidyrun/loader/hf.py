@@ -99,23 +99,31 @@ def _gemma3(raw: dict, where: str) -> tuple[dict, dict]:
     return extra, global_raw
 
 
+# transformers' default ``sliding_window`` when a config leaves the key out (Mixtral's and Phi-3's: none).
+_DEFAULT_WINDOW = MappingProxyType({"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "qwen3_moe": 4096})
+
+
 def _sliding_windows(raw: dict, model_type: str, max_pos: int) -> tuple[int, ...]:
-    """Each layer's attention window (0: the whole context), as transformers reads the config: ``layer_types``
-    where the config has them; else Mistral, Mixtral and Phi-3 window every layer when ``sliding_window``
-    is set, and the Qwen families only with ``use_sliding_window``, from layer ``max_window_layers`` on.
+    """Each layer's attention window (0: the whole context), as transformers' models read the config:
+    Mistral, Mixtral, Phi-3, OLMoE and Qwen3-MoE window every layer (Mistral and Mixtral ignore
+    ``layer_types``); Qwen2 and Qwen3 window the layers ``layer_types`` marks, by default those from
+    ``max_window_layers`` on; the Qwen families only with ``use_sliding_window`` (else transformers drops the
+    window). A missing ``sliding_window`` key takes transformers' default for the family (``_DEFAULT_WINDOW``).
     () when no layer is windowed, or the window is no shorter than the context."""
-    window = int(raw.get("sliding_window") or 0)
     layers = int(raw["num_hidden_layers"])
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
+        return ()
+    window = int((raw["sliding_window"] if "sliding_window" in raw else _DEFAULT_WINDOW.get(model_type)) or 0)
     if not window or window >= max_pos:
         return ()
-    if raw.get("layer_types"):
-        kinds = raw["layer_types"]
-    elif model_type in ("mistral", "mixtral", "phi3"):
-        kinds = ["sliding_attention"] * layers if raw.get("use_sliding_window", True) else []
-    else:
+    if model_type in ("qwen2", "qwen3"):
         start = int(raw.get("max_window_layers", 28))
-        kinds = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)] \
-            if raw.get("use_sliding_window", False) else []
+        kinds = raw.get("layer_types") or ["sliding_attention" if i >= start else "full_attention"
+                                           for i in range(layers)]
+    elif model_type in ("mistral", "mixtral", "phi3", "olmoe", "qwen3_moe"):
+        kinds = ["sliding_attention"] * layers
+    else:  # Llama's attention has no window
+        return ()
     windows = tuple(window if k == "sliding_attention" else 0 for k in kinds)
     return windows if any(windows) else ()
 

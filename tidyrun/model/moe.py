@@ -48,6 +48,9 @@ class SparseMoE(nn.Module):
         self._ops = ops
         self._tp = tp
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        # Qwen3-MoE and OLMoE round the routing weights to the model dtype before they scale the experts'
+        # outputs; Mixtral keeps them in float32 (transformers' routers).
+        self._round_weights = cfg.architecture != "mixtral"
         inter = shard.expert_intermediate[1]
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, False, ops, dtype)
         self.w13 = _param(cfg.num_experts, 2 * inter, cfg.hidden_size, dtype=dtype)
@@ -55,6 +58,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self._round_weights:
+            weights = weights.to(x.dtype)
         out = self._ops.moe_experts(x, self.w13, self.w2, weights, ids)
         return out if self._tp is None else self._tp.all_reduce(out)
 

@@ -66,7 +66,8 @@ class TorchOps:
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor) -> torch.Tensor:
         """``sum_j weights[t, j] * expert_ids[t, j](x[t])`` for SwiGLU experts stacked as ``w13`` [E, 2I, H]
-        (gate rows, then up rows) and ``w2`` [E, H, I]; ``weights`` float32 [T, k], ``ids`` [T, k].
+        (gate rows, then up rows) and ``w2`` [E, H, I]; ``weights`` [T, k] (float32, or the model dtype where
+        the family rounds them first), ``ids`` [T, k].
 
         The reference, as transformers computes it: one product per expert over the tokens routed to it,
         added up in expert order. It asks the host which experts were hit, so it is never captured in a CUDA
@@ -75,7 +76,7 @@ class TorchOps:
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             h = F.linear(self.silu_mul(F.linear(x[token], w13[e])), w2[e])
-            out.index_add_(0, token, (h * weights[token, slot, None].to(h.dtype)).to(x.dtype))
+            out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))  # float32 weights: one rounding
         return out
 
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):

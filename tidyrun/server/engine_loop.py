@@ -49,6 +49,7 @@ class EngineStats:
     values: dict = field(default_factory=dict)
 
 
+_HUNG_STEP_S = 300.0  # after stop()'s timeout, how much longer a step may run before the loop is abandoned
 _ACCEPTED = object()  # the first item a subscriber gets once the engine has queued its request
 
 
@@ -167,8 +168,10 @@ class EngineLoop:
         Ordered: the engine is shut down by the thread that steps it, after its
         last step, and this returns only once that thread has ended (a step
         still running after ``timeout`` is waited for, with a warning: shutting
-        down beside a running step would free what it reads). A loop that never
-        started shuts the engine down here.
+        down beside a running step would free what it reads). A step hung for
+        ``_HUNG_STEP_S`` more is abandoned: None is returned, nothing is shut
+        down, and the process may exit. A loop that never started shuts the
+        engine down here.
         """
         self._stopping.set()
         if self._thread.ident is None:  # never started (e.g. the server could not bind its port)
@@ -178,7 +181,11 @@ class EngineLoop:
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("the engine is still in a step %.0f s after stop(); waiting for it to end", timeout)
-            self._thread.join()
+            self._thread.join(_HUNG_STEP_S)
+        if self._thread.is_alive():  # a hung step (a collective that never returns): never free under it
+            logger.error("the engine step did not end in %.0f s more; leaving without shutting the engine down "
+                         "(its memory goes with the process)", _HUNG_STEP_S)
+            return None
         return self.shutdown_report
 
     # -- the loop thread ---------------------------------------------------------------
@@ -238,10 +245,10 @@ class EngineLoop:
             _, fn, future, loop = cmd
             try:
                 result = fn(self.llm)
+                self._refresh_memory()  # sleep, wake_up, update_weights...: before the caller sees the result
             except Exception as exc:
                 loop.call_soon_threadsafe(_set_exception, future, exc)
             else:
-                self._refresh_memory()  # sleep, wake_up, update_weights...: before the caller sees the result
                 loop.call_soon_threadsafe(_set_result, future, result)
 
     def _refresh_memory(self) -> None:
