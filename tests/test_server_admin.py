@@ -325,3 +325,15 @@ def test_malformed_text_is_a_400(loop, route, body):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert "not valid Unicode" in error["message"] or "parsing the body" in error["message"], error
+
+
+def test_unknown_paths_share_one_metrics_label(loop):
+    """404s (made-up URLs, disabled admin routes) are counted under "unmatched", not one label per path."""
+    c = client(loop)
+    for path in ("/made-up-1", "/made-up-2", "/sleep"):
+        assert c.post(path).status_code == 404
+    assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
+    text = c.get("/metrics").text
+    assert 'route="unmatched",status="404"} 3.0' in text, text
+    assert 'route="/v1/completions",status="400"} 1.0' in text, text  # a served route keeps its own label
+    assert "made-up" not in text and 'route="/sleep"' not in text

@@ -93,6 +93,13 @@ def admin_key_of(enable_lifecycle_endpoints: bool = False, api_key: str | None =
     return key
 
 
+def _route_label(request: Request) -> str:
+    """The metrics label of a request: its route's path template, or "unmatched" for a path no route serves
+    (a label per raw path would let any client grow /metrics without bound with made-up URLs)."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
 def _inside(path: str, root: str) -> bool:
     """Whether the resolved ``path`` is ``root`` or below it (both already passed through realpath)."""
     return os.path.commonpath([path, root]) == root
@@ -161,12 +168,12 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        metrics.count(request.url.path, exc.status)
+        metrics.count(_route_label(request), exc.status)
         return _error_body(exc.status, exc.message, exc.type, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        metrics.count(request.url.path, 400)
+        metrics.count(_route_label(request), 400)
         parts, param = [], None
         for err in exc.errors()[:5]:
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
@@ -178,19 +185,19 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        metrics.count(request.url.path, exc.status_code)
+        metrics.count(_route_label(request), exc.status_code)
         return _error_body(exc.status_code, str(exc.detail), "invalid_request_error")
 
     @app.exception_handler(TidyrunError)
     async def _tidyrun_error(request: Request, exc: TidyrunError):
         err = _as_api_error(exc)
-        metrics.count(request.url.path, err.status)
+        metrics.count(_route_label(request), err.status)
         return _error_body(err.status, err.message, err.type)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         # A bug, not a bad request: answer in OpenAI's shape; Starlette also logs the traceback.
-        metrics.count(request.url.path, 500)
+        metrics.count(_route_label(request), 500)
         return _error_body(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
     def bearer_matches(request: Request, key: str) -> bool:
