@@ -25,7 +25,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .layers import Linear, _param
-from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, WeightShard
+from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, WeightShard
 from .ops import TorchOps
 from .sharding import TPShard
 
@@ -68,7 +68,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     def build_mlp(self, cfg: ModelConfig, layer_idx: int, ops: TorchOps, dtype, shard: TPShard, tp) -> nn.Module:
         if cfg.is_moe_layer(layer_idx):
             return SparseMoE(cfg, ops, dtype, shard, tp)
-        return LlamaMLP(cfg, ops, dtype, shard, tp)
+        return super().build_mlp(cfg, layer_idx, ops, dtype, shard, tp)
 
 
 class MoEModel(LlamaModel):
@@ -89,8 +89,11 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     model_class = MoEModel
 
-    def _block(self) -> str:
-        return "block_sparse_moe" if self.config.architecture == "mixtral" else "mlp"
+    def _checkpoint_layout(self) -> tuple[str, tuple[str, str, str]]:
+        """(the block's name in a layer, the gate, up and down projections' names) in this family's checkpoints."""
+        if self.config.architecture == "mixtral":
+            return "block_sparse_moe", ("w1", "w3", "w2")
+        return "mlp", ("gate_proj", "up_proj", "down_proj")
 
     def mlp_shards(self, pre: str, mlp: nn.Module) -> dict[str, tuple[WeightShard, ...]]:
         if not isinstance(mlp, SparseMoE):
@@ -98,8 +101,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         cfg = self.config
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         start, length = self.shard.expert_intermediate
-        block = pre + self._block()
-        names = ("w1", "w3", "w2") if cfg.architecture == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        block, names = self._checkpoint_layout()
+        block = pre + block
         shards = {block + ".gate.weight": (WeightShard(mlp.gate.weight, 0, (cfg.num_experts, h)),)}
         for e in range(cfg.num_experts):
             gate, up, down = (f"{block}.experts.{e}.{n}.weight" for n in names)
@@ -110,8 +113,8 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Per-expert checkpoint names for a transformers model's stacked ones (views, no copies)."""
-        inter, block = self.config.moe_intermediate_size, self._block()
-        names = ("w1", "w3", "w2") if self.config.architecture == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        inter = self.config.moe_intermediate_size
+        block, names = self._checkpoint_layout()
         for name, tensor in weights:
             layer, _, rest = name.rpartition(".mlp.")
             if rest == "gate.weight" and block != "mlp":

@@ -111,8 +111,7 @@ class EngineLoop:
         self._subscribers: dict[str, _Subscriber] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tidyrun-engine", daemon=True)
-        self._memory = llm.stats()["device_memory_bytes"]  # refreshed after lifecycle calls, not every step
-        self.stats = EngineStats(llm.stats(memory=False) | {"device_memory_bytes": self._memory})
+        self.stats = EngineStats(llm.stats())
         self.shutdown_report = None
         self._died: str | None = None  # what killed the loop thread, if something did
 
@@ -210,7 +209,9 @@ class EngineLoop:
                     self._execute(cmd)
                 if llm.has_unfinished_requests():
                     self._step()
-                self.stats = EngineStats(llm.stats(memory=False) | {"device_memory_bytes": self._memory})
+                # The memory figures are kept from the last lifecycle call (reading them walks the ledger).
+                memory = {"device_memory_bytes": self.stats.values["device_memory_bytes"]}
+                self.stats = EngineStats(llm.stats(memory=False) | memory)
         except BaseException as exc:  # the loop itself failed (a step's own errors are handled in _step)
             self._died = f"{type(exc).__name__}: {exc}"
             logger.exception("the engine loop died")
@@ -253,8 +254,8 @@ class EngineLoop:
 
     def _refresh_memory(self) -> None:
         if not self.llm.is_shut_down:
-            self._memory = self.llm.stats()["device_memory_bytes"]
-            self.stats = EngineStats(self.stats.values | {"device_memory_bytes": self._memory})
+            memory = self.llm.stats()["device_memory_bytes"]
+            self.stats = EngineStats(self.stats.values | {"device_memory_bytes": memory})
 
     def _step(self) -> None:
         try:
