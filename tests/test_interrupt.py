@@ -35,7 +35,8 @@ def deep_llama_dir(tmp_path_factory, hf_tokenizer_dir) -> str:
 def _start(args: list[str]) -> subprocess.Popen:
     """A Python child that imports this checkout's tidyrun, whatever is installed."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(tidyrun.__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "PYTHONFAULTHANDLER": "1"}  # a child that hangs is sent SIGABRT and prints where it was
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
@@ -74,9 +75,13 @@ def _interrupt(proc: subprocess.Popen, stream: str, marker: bytes) -> tuple[floa
     try:
         proc.wait(timeout=max(0.1, WAIT_S - (time.perf_counter() - start)))
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"still running {WAIT_S:.0f} s after Ctrl-C; stderr:\n{pipes[proc.stderr.fileno()].decode()[-3000:]}")
+        proc.send_signal(signal.SIGABRT)  # faulthandler dumps every thread's stack to stderr
+        try:
+            pipes[proc.stderr.fileno()] += proc.communicate(timeout=5)[1] or b""
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        pytest.fail(f"still running {WAIT_S:.0f} s after Ctrl-C; stderr:\n{pipes[proc.stderr.fileno()].decode()[-6000:]}")
     out, err = pipes[proc.stdout.fileno()], pipes[proc.stderr.fileno()]
     if seconds is None:
         pytest.fail(f"{marker!r} never appeared; stdout:\n{out.decode()[-2000:]}\nstderr:\n{err.decode()[-3000:]}")
