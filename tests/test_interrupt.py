@@ -76,12 +76,15 @@ def _interrupt(proc: subprocess.Popen, stream: str, marker: bytes) -> tuple[floa
         proc.wait(timeout=max(0.1, WAIT_S - (time.perf_counter() - start)))
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGABRT)  # faulthandler dumps every thread's stack to stderr
-        try:
-            pipes[proc.stderr.fileno()] += proc.communicate(timeout=5)[1] or b""
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        pytest.fail(f"still running {WAIT_S:.0f} s after Ctrl-C; stderr:\n{pipes[proc.stderr.fileno()].decode()[-6000:]}")
+        deadline = time.perf_counter() + 5
+        while time.perf_counter() < deadline and proc.poll() is None:
+            ready, _, _ = select.select([proc.stderr.fileno()], [], [], 0.05)
+            if ready:
+                pipes[proc.stderr.fileno()] += os.read(proc.stderr.fileno(), 65536)
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"still running {WAIT_S:.0f} s after Ctrl-C (marker after {seconds} s); stderr:\n"
+                    f"{pipes[proc.stderr.fileno()].decode(errors='replace')[-6000:]}")
     out, err = pipes[proc.stdout.fileno()], pipes[proc.stderr.fileno()]
     if seconds is None:
         pytest.fail(f"{marker!r} never appeared; stdout:\n{out.decode()[-2000:]}\nstderr:\n{err.decode()[-3000:]}")
