@@ -7,16 +7,17 @@ tokens), median ``llm.step()`` time over ``--rounds`` x ``--decode-steps``
 steps, the two sides alternating round by round, for
 ``SamplingParams(logprobs=None)`` vs ``logprobs=0`` (what TRL and verl send),
 greedy and at temperature 1 (RL rollouts); one engine, same requests.
-(b) Structured outputs on the default model (a real 49k-token vocabulary, so
-the grammar's per-token mask costs what it costs users): ``--json-requests``
+(b) Structured outputs on the default model and on random ``--structured-shapes``
+checkpoints that carry its tokenizer (a real 49k-token vocabulary, so the
+grammar's per-token mask costs what it costs users): ``--json-requests``
 requests at temperature 1, each generating until its JSON object is complete,
-vs the same requests unconstrained with the same token counts; reported per
-output token.
+vs the same requests unconstrained with the same token counts, the two
+alternating round by round; reported per output token.
 
 CPU smoke test:
 
     python bench/logprobs.py --device cpu --dtype float32 --shape llama-tiny --batch-sizes 1 4 \
-        --decode-prompt-len 16 --decode-steps 5 --json-requests 4 --json /tmp/lp.json
+        --decode-prompt-len 16 --decode-steps 5 --json-requests 4 --structured-shapes llama-tiny --json /tmp/lp.json
 """
 
 from __future__ import annotations
@@ -88,11 +89,35 @@ def decode_rows(ckpt: str, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def structured_checkpoint(shape: str, device: str) -> str:
+    """A random checkpoint of ``shape`` carrying the default model's tokenizer (its real 49k vocabulary, so
+    the grammar's masks cost what they cost users; the synthetic tokenizer has 512 tokens)."""
+    from transformers import AutoTokenizer
+
+    from tidyrun.loader.default import default_model_path
+    from tidyrun.synthetic import SHAPES, write_random_checkpoint
+
+    folder = os.path.join("/tmp/tidyrun-bench", f"{shape}-smollm2-vocab")
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        write_random_checkpoint(folder, dict(SHAPES[shape], vocab_size=49152), dtype=torch.bfloat16,
+                                device="cuda" if device.startswith("cuda") else "cpu")
+        path = default_model_path()
+        AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).save_pretrained(folder)
+    return folder
+
+
 def structured_rows(args: argparse.Namespace) -> list[dict]:
+    """(b) for the default model and each ``--structured-shapes`` entry: the two sides alternate round by
+    round (constrained, and unconstrained with the constrained run's token counts); medians over
+    ``--rounds``."""
+    models = [("default", None)] + [(s, structured_checkpoint(s, args.device)) for s in args.structured_shapes]
+    return [structured_row(name, ckpt, args) for name, ckpt in models]
+
+
+def structured_row(name: str, ckpt: str | None, args: argparse.Namespace) -> dict:
     from tidyrun import LLM, SamplingParams, StructuredOutputsParams
 
-    llm = LLM(None, device=args.device, dtype=args.dtype, max_model_len=1024)
-    rows = []
+    llm = LLM(ckpt, device=args.device, dtype=args.dtype, max_model_len=1024)
     try:
         prompts = [llm.get_tokenizer().apply_chat_template(
             [{"role": "user", "content": f"Describe person number {i} as JSON with name, age and city."}],
@@ -103,26 +128,32 @@ def structured_rows(args: argparse.Namespace) -> list[dict]:
         llm.generate(prompts, SamplingParams(temperature=1.0, seed=0, max_tokens=64), use_tqdm=False)
         params = [SamplingParams(temperature=1.0, seed=i, max_tokens=256, structured_outputs=spec)
                   for i in range(len(prompts))]
-        sync(args.device)
-        t0 = time.perf_counter()
-        constrained = llm.generate(prompts, params, use_tqdm=False)
-        sync(args.device)
-        t_json = time.perf_counter() - t0
-        counts = [len(o.outputs[0].token_ids) for o in constrained]
-        valid = sum(_valid(o.outputs[0].text) for o in constrained)
-        free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(counts)]
-        sync(args.device)
-        t0 = time.perf_counter()
-        llm.generate(prompts, free, use_tqdm=False)
-        sync(args.device)
-        t_free = time.perf_counter() - t0
+
+        def timed(run_params):
+            sync(args.device)
+            t0 = time.perf_counter()
+            out = llm.generate(prompts, run_params, use_tqdm=False)
+            sync(args.device)
+            return time.perf_counter() - t0, out
+
+        times: dict[str, list[float]] = {"json": [], "free": []}
+        first = None
+        for _ in range(args.rounds):
+            seconds, out = timed(params)
+            times["json"].append(seconds)
+            first = first or out
+            counts = [len(o.outputs[0].token_ids) for o in first]
+            free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
+                    for i, n in enumerate(counts)]
+            times["free"].append(timed(free)[0])
         tokens = sum(counts)
-        rows.append(dict(requests=len(prompts), output_tokens=tokens, valid=valid, json_s=t_json, free_s=t_free,
-                         json_us_per_token=t_json / tokens * 1e6, free_us_per_token=t_free / tokens * 1e6,
-                         overhead=t_json / t_free - 1))
+        t = {k: statistics.median(v) for k, v in times.items()}
+        return dict(model=name, requests=len(prompts), output_tokens=tokens,
+                    valid=sum(_valid(o.outputs[0].text) for o in first), seconds=times,
+                    json_us_per_token=t["json"] / tokens * 1e6, free_us_per_token=t["free"] / tokens * 1e6,
+                    overhead=t["json"] / t["free"] - 1)
     finally:
         llm.shutdown()
-    return rows
 
 
 def _valid(text: str) -> bool:
@@ -141,6 +172,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=20, help="timed steps per round and side")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per side (median over all steps)")
     ap.add_argument("--json-requests", type=int, default=64)
+    ap.add_argument("--structured-shapes", nargs="*", default=["llama-1.2b"],
+                    help="random checkpoints (with the default model's tokenizer) to run (b) on besides the default model")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-structured", action="store_true")
     ap.add_argument("--json", default="bench/results/logprobs.json")
@@ -157,12 +190,12 @@ def main() -> None:
                   f"{r['overhead'] * 100:+.1f}% |")
     if not args.skip_structured:
         structured = structured_rows(args)
-        print("\n(b) JSON schema, default model, temperature 1")
-        print("| requests | output tokens | valid | JSON us/token | unconstrained us/token | overhead |")
-        print("|---|---|---|---|---|---|")
+        print(f"\n(b) JSON schema, temperature 1, median of {args.rounds} alternating rounds")
+        print("| model | requests | output tokens | valid | JSON us/token | unconstrained us/token | overhead |")
+        print("|---|---|---|---|---|---|---|")
         for r in structured:
-            print(f"| {r['requests']} | {r['output_tokens']} | {r['valid']} | {r['json_us_per_token']:.1f} | "
-                  f"{r['free_us_per_token']:.1f} | {r['overhead'] * 100:+.1f}% |")
+            print(f"| {r['model']} | {r['requests']} | {r['output_tokens']} | {r['valid']} | "
+                  f"{r['json_us_per_token']:.1f} | {r['free_us_per_token']:.1f} | {r['overhead'] * 100:+.1f}% |")
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
