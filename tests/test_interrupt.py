@@ -37,7 +37,10 @@ def _start(args: list[str]) -> subprocess.Popen:
     root = os.path.dirname(os.path.dirname(os.path.abspath(tidyrun.__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
            "PYTHONFAULTHANDLER": "1"}  # a child that hangs is sent SIGABRT and prints where it was
-    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # SIGINT back to its default: a test run started in the background by a non-interactive shell ignores
+    # SIGINT, the child would inherit that, and Python then installs no KeyboardInterrupt handler at all.
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_output(proc: subprocess.Popen, timeout_s: float = 120.0) -> bytes:
