@@ -261,7 +261,7 @@ def test_sequences_of_one_grammar_spread_over_independent_templates(source, toke
     """Sequences of one grammar are dealt over separately built templates (so llguidance can fill their
     masks in parallel) and every lane gives the same masks after the same tokens."""
     lanes = 3
-    compiler = GrammarCompiler(tokenizer, source.config.vocab_size, frozenset(source.config.eos_token_ids), lanes)
+    compiler = GrammarCompiler(tokenizer, source.config.vocab_size, frozenset(source.config.eos_token_ids), lanes=lanes)
     spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
     states = [compiler.new_state(spec) for _ in range(lanes + 2)]
     compiled = compiler.compile(spec)
