@@ -60,6 +60,8 @@ def make_llm(ckpt: str, args: argparse.Namespace, mode: str, **kwargs):
 
     if mode == "eager":
         kwargs["enforce_eager"] = True
+    if mode == "invariant":  # graphs, batch_invariant=True
+        kwargs["batch_invariant"] = True
     return LLM(ckpt, device=args.device, dtype=args.dtype, **kwargs)
 
 
@@ -247,8 +249,8 @@ def prepare_workload(args: argparse.Namespace) -> tuple[str, Workload, Workload]
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
-    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager"], default=["graphs"],
-                    help="graphs: the engine's default; eager: enforce_eager=True")
+    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager", "invariant"], default=["graphs"],
+                    help="graphs: the engine's default; eager: enforce_eager=True; invariant: batch_invariant=True")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-requests", type=int, default=None, help="run transformers on the first N requests only")
@@ -290,9 +292,9 @@ def main() -> None:
             ratio = f"{r['vs_transformers']:.1f}x" if hf else "-"
             print(f"| {r['engine']} | {r['requests']} | {r['output_tokens']} | {r['computed_tokens']} "
                   f"| {r['wall_s']:.2f} | {r['tok_s']:.0f} | {ratio} |")
-        ideal = ideal_seconds(work, decode)
+        ideal = ideal_seconds(work, [r for r in decode if r["mode"] == args.modes[0]])
         if ideal is not None:
-            best = min(r["wall_s"] for r in throughput if r["engine"].startswith("tidyrun"))
+            best = next(r["wall_s"] for r in throughput if r["engine"] == f"tidyrun ({args.modes[0]})")
             print(f"idealised bound (prefill at the measured rate, then perfect batching at the measured step "
                   f"times): {ideal:.2f} s, {sum(work[1]) / ideal:.0f} tok/s; tidyrun measured {best:.2f} s "
                   f"({ideal / best:.0%} of the bound's speed)")
@@ -310,7 +312,7 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump(dict(shape=args.shape, dtype=args.dtype, device=device, torch=torch.__version__,
                        transformers=transformers.__version__, args=vars(args), throughput=throughput, decode=decode,
-                       ideal_s=ideal_seconds(work, decode)),
+                       ideal_s=ideal_seconds(work, [r for r in decode if r["mode"] == args.modes[0]])),
                   f, indent=1)
 
 

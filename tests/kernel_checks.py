@@ -174,14 +174,19 @@ WINDOW_CASES = (
 FUSED_SHAPES = ((1, 64, 4, 2, 16), (5, 96, 9, 3, 64), (17, 256, 4, 4, 32), (3, 128, 2, 2, 80))
 
 
-SKINNY_SHAPES = ((1, 48, 96), (3, 40, 600), (16, 64, 512), (5, 34, 1000))
+LINEAR_SHAPES = ((1, 48, 96), (3, 40, 600), (16, 64, 512), (5, 34, 1000), (40, 72, 320))
 
 
-def check_skinny(device, dtype, shapes, configs, seed=0):
-    """skinny_linear (with and without bias, every config; a split finished in-kernel equal to the bit to
-    one finished by the reduce kernel; the gated SiLU-mul epilogue) and argmax_rows against torch."""
+def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (32, 64, 4, 2))):
+    """kernels.linear against float64 torch (with and without bias, every plan (block_n, block_k, split,
+    stages), the gated SiLU-mul epilogue), and its invariance: every row's bits equal the row computed
+    alone, few-row (split over programs, finished in-kernel or by the reduce kernel) or many-row (every
+    ``tiles`` entry), so a row's result never depends on what else is in the batch. Then argmax_rows.
+    Triton's interpreter computes a dot with numpy, whose order depends on BLOCK_K: there, plans take
+    the many-row launch's BLOCK_K (64); on the GPU any BLOCK_K dividing k_seg gives the same bits."""
+    from tidyrun.kernels.argmax import argmax_logprob_rows, argmax_rows
     from tidyrun.kernels.fused import silu_mul
-    from tidyrun.kernels.skinny import SkinnyConfig, argmax_logprob_rows, argmax_rows, skinny_linear
+    from tidyrun.kernels.linear import FEW_ROWS, LinearPlan, ManyRowTile, linear
 
     g = torch.Generator().manual_seed(seed)
     to = dict(device=device, dtype=dtype)
@@ -190,21 +195,32 @@ def check_skinny(device, dtype, shapes, configs, seed=0):
     for rows, n, k in shapes:
         x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         xd, wd = x.to(**to), w.to(**to)
-        for cfg in configs:
-            cfg = SkinnyConfig(*cfg)
+        for block_n, block_k, split, stages in plans:
+            per_split = -(-k // split)
+            plan = LinearPlan(block_n, block_k, -(-per_split // block_k) * block_k, stages)
             for bias in (None, b):
                 ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
                 bd = None if bias is None else bias.to(**to)
-                out = skinny_linear(xd, wd, bd, cfg)
+                out = linear(xd, wd, bd, plan)
+                label = f"linear {rows}x{n}x{k} {plan} bias={bias is not None}"
                 err = (out.double().cpu() - ref).abs().max().item()
-                assert out.dtype == dtype and err <= rtol * ref.abs().max().item(), f"skinny {rows}x{n}x{k} {cfg}: {err}"
-                assert torch.equal(skinny_linear(xd, wd, bd, cfg, counters), out), f"in-kernel finish {cfg}"
-                assert not counters.any(), f"skinny {rows}x{n}x{k} {cfg}: counters left armed"
+                assert out.dtype == dtype and err <= rtol * ref.abs().max().item(), f"{label}: {err}"
+                alone = torch.cat([linear(xd[i:i + 1], wd, bd, plan) for i in range(rows)])
+                assert torch.equal(out, alone), f"{label}: a row's bits depend on the batch"
+                if rows <= FEW_ROWS:
+                    assert torch.equal(linear(xd, wd, bd, plan, counters), out), f"{label}: in-kernel finish"
+                    assert not counters.any(), f"{label}: counters left armed"
+                for tile in tiles:
+                    many = linear(xd, wd, bd, plan, tile=ManyRowTile(*tile), split_grid=False)
+                    assert torch.equal(many, out), f"{label}: many-row tile {tile} differs from few-row"
             if n % 2 == 0:
-                gated = skinny_linear(xd, wd, None, cfg._replace(split_k=1, block_k=min(cfg.block_k, 128)), gated=True)
+                one = plan._replace(k_seg=-(-k // block_k) * block_k)
+                gated = linear(xd, wd, None, one, gated=True)
                 ref = silu_mul(F.linear(xd, wd))
                 err = (gated.double() - ref.double()).abs().max().item()
-                assert err <= 2 * rtol * ref.abs().max().item(), f"gated {rows}x{n}x{k} {cfg}: {err}"
+                assert err <= 2 * rtol * ref.abs().max().item(), f"gated {rows}x{n}x{k} {one}: {err}"
+                alone = torch.cat([linear(xd[i:i + 1], wd, None, one, gated=True) for i in range(rows)])
+                assert torch.equal(gated, alone), f"gated {rows}x{n}x{k} {one}: a row's bits depend on the batch"
     x = torch.randn(3, 10000, generator=g)
     x[1, 5000] = x[1, 9000] = 100.0  # a tie: the first index wins, as in torch.argmax
     x[2] = 0.0

@@ -468,6 +468,7 @@ def test_shutdown_aborted_in_flight_requests(dead_llm):
     (dict(cuda_graph_sizes="8"), "cuda_graph_sizes"),
     (dict(kernels="flash"), "kernels"),
     (dict(enforce_eager="yes"), "enforce_eager"),
+    (dict(batch_invariant="yes"), "batch_invariant"),
 ])
 def test_gpu_execution_options_are_validated(checkpoint, kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -477,6 +478,19 @@ def test_gpu_execution_options_are_validated(checkpoint, kwargs, message):
 def test_triton_kernels_need_cuda(checkpoint):
     with pytest.raises(InvalidRequestError, match="needs a CUDA device"):
         LLM(checkpoint, device="cpu", kernels="triton")
+
+
+def test_batch_invariance_needs_the_triton_kernels(checkpoint, monkeypatch):
+    """Asked for by keyword or by vLLM's environment switch, it is refused on the CPU rather than ignored."""
+    with pytest.raises(InvalidRequestError, match="batch_invariant=True needs the Triton kernels"):
+        LLM(checkpoint, device="cpu", batch_invariant=True)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with pytest.raises(InvalidRequestError, match="batch_invariant=True needs the Triton kernels"):
+        LLM(checkpoint, device="cpu")
+    LLM(checkpoint, device="cpu", batch_invariant=False).shutdown()  # the keyword wins over the environment
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
+    with pytest.raises(InvalidRequestError, match="VLLM_BATCH_INVARIANT must be '0' or '1', got 'yes'"):
+        LLM(checkpoint, device="cpu")
 
 
 def test_text_that_is_not_unicode_is_a_clear_error(tiny_llama_dir):

@@ -109,15 +109,3 @@ def test_tiny_architecture_bf16_matches_transformers(tmp_path, hf_tokenizer_dir,
     limit = PROB_TOL if "num_experts" in str(ARCHS[name]) or name == "mixtral" else 2 * errors[1] + 1e-3
     assert errors[0] <= limit, results
 
-
-def test_cuda_batched_equals_alone(default_model):
-    with LLM(default_model, device="cuda", dtype="bfloat16", max_model_len=512) as engine:
-        prompts = [{"prompt_token_ids": engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])}
-                   for q in QUESTIONS]
-        params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-        batched = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-        alone = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    # bf16 matmuls of different batch shapes may round differently; count identical tokens per prompt.
-    same = [sum(a == b for a, b in zip(x, y)) for x, y in zip(batched, alone)]
-    print(f"\nbatched vs alone identical tokens: {same}")
-    assert sum(s == NUM_TOKENS for s in same) >= 6, same

@@ -194,6 +194,10 @@ class EngineConfig:
     # decode steps replayed as CUDA graphs of these batch sizes (None: a default set) unless enforce_eager.
     kernels: str | None = None
     enforce_eager: bool = False
+    # Every row's result independent of what else shares the step (decode, prefill, chunked prefill, draft
+    # verification): products with one reduction order for any number of rows (never cuBLAS) and attention
+    # whose split of the keys depends on the sequence only. Costs speed (docs/BENCHMARKS.md); CUDA only.
+    batch_invariant: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     # Ranks the model is split over (one process each; rank 0 is this process). Checked against the model
     # (at most one rank per KV head) and the devices when the engine starts.
@@ -239,7 +243,7 @@ class EngineConfig:
 
         if self.kernels not in (None, "torch", "triton"):
             raise InvalidRequestError(f"kernels must be 'torch', 'triton' or None, got {self.kernels!r}")
-        for name in ("enforce_eager", "keep_host_buffers"):
+        for name in ("enforce_eager", "keep_host_buffers", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:

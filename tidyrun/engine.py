@@ -175,6 +175,11 @@ class LLM:
     ``compilation_config={"cudagraph_capture_sizes": [...]}`` says the same);
     ``enforce_eager=True`` turns them off.
     ``kernels`` picks "triton" (the CUDA default) or the "torch" reference path.
+    ``batch_invariant=True`` (CUDA) makes every row's result independent of
+    what else shares the step: greedy output batched equals alone and
+    speculation on equals off, bit for bit, at a cost in speed
+    (docs/BENCHMARKS.md). None: vLLM's switch, the environment variable
+    ``VLLM_BATCH_INVARIANT=1``, else off.
     ``tensor_parallel_size=N`` splits the model over N ranks: this process
     is rank 0 and spawns N - 1 worker processes (one per further GPU on
     CUDA, gloo on the CPU; a script needs ``if __name__ == "__main__"``);
@@ -214,7 +219,7 @@ class LLM:
                  keep_host_buffers: bool = True, enable_prefix_caching: bool | None = True,
                  speculative: dict | SpeculativeConfig | None = None, enforce_eager: bool = False,
                  cuda_graph_sizes: list[int] | None = None, kernels: str | None = None,
-                 tensor_parallel_size: int = 1,
+                 batch_invariant: bool | None = None, tensor_parallel_size: int = 1,
                  # vLLM's names and options (engine_args.py says what each does here)
                  kv_cache_memory_bytes: int | None = None, speculative_config: dict | None = None,
                  compilation_config: dict | None = None, max_logprobs: int = 20,

@@ -17,6 +17,7 @@ refused keyword costs nothing.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -150,6 +151,16 @@ def _cuda_graph_sizes(options: Mapping[str, Any]):
     return ours if ours is not None else sizes
 
 
+def _batch_invariant(value: bool | None) -> bool:
+    """None: vLLM's switch, the environment variable VLLM_BATCH_INVARIANT ("1" on, "0" or unset off)."""
+    if value is not None:
+        return value
+    env = os.environ.get("VLLM_BATCH_INVARIANT", "0")
+    if env not in ("0", "1"):
+        raise InvalidRequestError(f"VLLM_BATCH_INVARIANT must be '0' or '1', got {env!r}")
+    return env == "1"
+
+
 def engine_config(model: str | None, options: Mapping[str, Any]) -> EngineConfig:
     """The EngineConfig of ``LLM(model, **options)`` (every keyword of ``LLM.__init__`` but ``config``)."""
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -168,7 +179,8 @@ def engine_config(model: str | None, options: Mapping[str, Any]) -> EngineConfig
         seed=given("seed"), enable_prefix_caching=given("enable_prefix_caching"),
         speculative=SpeculativeConfig.from_value(_alias(options, "speculative", "speculative_config")),
         enforce_eager=options["enforce_eager"], cuda_graph_sizes=_cuda_graph_sizes(options),
-        kernels=options["kernels"], tensor_parallel_size=options["tensor_parallel_size"],
+        kernels=options["kernels"], batch_invariant=_batch_invariant(options["batch_invariant"]),
+        tensor_parallel_size=options["tensor_parallel_size"],
         keep_host_buffers=options["keep_host_buffers"],
         cache=CacheConfig(block_size=options["block_size"], num_blocks=options["num_kv_blocks"],
                           memory_bytes=_alias(options, "kv_cache_memory", "kv_cache_memory_bytes"),

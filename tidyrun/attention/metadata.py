@@ -62,11 +62,17 @@ def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
     return block_m // group, block_m
 
 
-def tile_splits(num_seqs: int, num_kv_heads: int, block_q: int, target_programs: int = 256) -> int:
+def tile_splits(num_seqs: int, num_kv_heads: int, block_q: int, batch_invariant: bool = False,
+                target_programs: int = 256) -> int:
     """How many programs share each tile's keys: for decode tiles (``block_q == 1``) enough (a power
-    of two, at most 16) that a small batch still runs about ``target_programs`` programs; otherwise 1."""
+    of two, at most 16) that a small batch still runs about ``target_programs`` programs; otherwise 1.
+
+    ``batch_invariant``: always 1. A split adds partial softmaxes in another order than one program
+    does, so a row's bits would depend on the number of sequences in the step (which sets the split)
+    and on whether it is decoded or verified/prefilled (split or not)."""
     splits = 1
-    while block_q == 1 and splits < 16 and num_seqs * num_kv_heads * splits < target_programs:
+    while (block_q == 1 and not batch_invariant and splits < 16
+           and num_seqs * num_kv_heads * splits < target_programs):
         splits *= 2
     return splits
 

@@ -100,7 +100,9 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = first_pos + tl.minimum(q0 + BLOCK_Q, q_len)  # keys visible to the tile's last query
-    kv_lo = tl.maximum(first_pos + q0 - window + 1, 0)  # the first key the tile's first query sees
+    # The first key the tile's first query sees, rounded down to a BLOCK_N boundary: key blocks then start
+    # at the same positions for a query whether it is decoded alone or prefilled in a tile (the same bits).
+    kv_lo = tl.maximum(first_pos + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
     # With SPLITS > 1 (decode) each program takes one contiguous share of the keys: flash-decoding.
     chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_end - kv_lo, 0), SPLITS), BLOCK_N) * BLOCK_N
     lo = kv_lo + split * chunk

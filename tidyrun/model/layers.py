@@ -24,8 +24,8 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with a weight laid out [out_features, in_features] like HF.
 
-    The product is ``ops.linear``: cuBLAS, or for a few rows on CUDA a kernel
-    sized to the machine (``tidyrun.kernels.skinny``).
+    The product is ``ops.linear``: cuBLAS, or on CUDA for a few rows (or any
+    number, batch-invariant) a kernel sized to the machine (``tidyrun.kernels.linear``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops, dtype: torch.dtype):

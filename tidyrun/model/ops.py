@@ -104,55 +104,67 @@ class TritonOps(TorchOps):
 
     ``ctx`` is the runner's ForwardContext: inside a step, split kernels take
     the step's arrival counters from it and finish their reductions in-kernel.
+    ``batch_invariant``: every product runs ``kernels.linear`` whatever its
+    rows (cuBLAS's algorithm, and so a row's bits, depend on the row count).
     """
 
     name = "triton"
 
-    def __init__(self, num_sms: int, ctx: ForwardContext | None = None, skinny_float32: bool = False) -> None:
-        from ..kernels import attention, fused, moe, race, skinny  # imported here: the CPU path never needs Triton
+    def __init__(self, num_sms: int, ctx: ForwardContext | None = None, float32_kernels: bool = False,
+                 batch_invariant: bool = False) -> None:
+        from ..kernels import argmax, attention, fused, linear, moe, race  # the CPU path never needs Triton
 
         self._attn = attention
         self._moe = moe
         self._race = race
         self._fused = fused
-        self._skinny = skinny
+        self._linear = linear
+        self._argmax = argmax
         self._num_sms = num_sms
         self._ctx = ctx
-        self._skinny_float32 = skinny_float32  # float32 products stay on cuBLAS unless asked (interpreter tests)
-        # (out, in features, gated) -> SkinnyConfig, or None where cuBLAS is kept
-        self._tiles: dict[tuple[int, int, bool], object] = {}
+        self._float32_kernels = float32_kernels  # float32 products stay on cuBLAS unless asked (interpreter tests)
+        # Every product through the kernel, for any number of rows: one reduction order per weight.
+        self._batch_invariant = batch_invariant
+        # (out, in features, gated) -> LinearPlan, or None where cuBLAS takes the product
+        self._plans: dict[tuple[int, int, bool], object] = {}
 
-    def _tile(self, x: torch.Tensor, weight: torch.Tensor, gated: bool = False):
-        """The skinny kernel's tile for this product, or None for cuBLAS (many rows, float32, wide outputs)."""
-        if (x.shape[0] > self._skinny.MAX_ROWS or (x.dtype == torch.float32 and not self._skinny_float32)
+    def _plan(self, x: torch.Tensor, weight: torch.Tensor, gated: bool = False):
+        """The kernel's plan for this product, or None for cuBLAS (many rows, float32, wide outputs) unless
+        every product must be batch-invariant."""
+        key = (*weight.shape, gated)
+        if key not in self._plans:
+            lin = self._linear
+            plan = (lin.gated_plan if gated else lin.narrow_plan)(*weight.shape, self._num_sms)
+            if plan is None and self._batch_invariant:
+                plan = lin.wide_plan(*weight.shape, self._num_sms)
+            self._plans[key] = plan
+        if self._batch_invariant:
+            return self._plans[key]
+        if (x.shape[0] > self._linear.FEW_ROWS or (x.dtype == torch.float32 and not self._float32_kernels)
                 or x.stride(-1) != 1 or not weight.is_contiguous()):
             return None
-        key = (*weight.shape, gated)
-        if key not in self._tiles:
-            choose = self._skinny.gated_config if gated else self._skinny.skinny_config
-            self._tiles[key] = choose(*weight.shape, self._num_sms)
-        return self._tiles[key]
+        return self._plans[key]
 
     def _counters(self) -> torch.Tensor | None:
         return None if self._ctx is None else self._ctx.split_counters
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        tile = self._tile(x, weight)
-        if tile is None:
+        plan = self._plan(x, weight)
+        if plan is None:
             return F.linear(x, weight, bias)
-        return self._skinny.skinny_linear(x, weight, bias, tile, self._counters())
+        return self._linear.linear(x.contiguous(), weight.contiguous(), bias, plan, self._counters())
 
     def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        tile = self._tile(x, weight, gated=True)
-        if tile is None:
+        plan = self._plan(x, weight, gated=True)
+        if plan is None:
             return super().linear_silu_mul(x, weight)
-        return self._skinny.skinny_linear(x, weight, None, tile, gated=True)
+        return self._linear.linear(x.contiguous(), weight.contiguous(), None, plan, gated=True)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return self._skinny.argmax_rows(logits)
+        return self._argmax.argmax_rows(logits)
 
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._skinny.argmax_logprob_rows(logits)
+        return self._argmax.argmax_logprob_rows(logits)
 
     def race_sample(self, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
                     want_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

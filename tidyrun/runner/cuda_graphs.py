@@ -109,7 +109,7 @@ class CudaGraphManager:
         return AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
                                  seq_lens=views["seq_lens"], block_tables=views["block_tables"], max_query_len=q,
                                  max_seq_len=0, tile_seq=tile_seq, tile_q0=tile_q0, block_q=block_q, block_m=block_m,
-                                 splits=tile_splits(size, self._inputs.num_kv_heads, block_q),
+                                 splits=tile_splits(size, self._inputs.num_kv_heads, block_q, self._inputs.batch_invariant),
                                  counters=self._inputs.counters)
 
     @torch.inference_mode()

@@ -144,12 +144,13 @@ class StepInputs:
     carries and graphs capture.
     """
 
-    NUM_COUNTERS = 4096  # output tiles of one split skinny product (at most 4096 / 32 = 128 in use)
+    NUM_COUNTERS = 4096  # output tiles of one split few-row product (at most 4096 / 32 = 128 in use)
 
     def __init__(self, block_size: int, group: int, num_kv_heads: int, max_tokens: int, max_seqs: int,
-                 max_blocks: int, device: torch.device, ledger: ResourceLedger) -> None:
+                 max_blocks: int, device: torch.device, ledger: ResourceLedger, batch_invariant: bool = False) -> None:
         self.block_size, self.group, self.max_blocks = block_size, group, max_blocks
         self.num_kv_heads = num_kv_heads
+        self.batch_invariant = batch_invariant  # attention keys never split (see tile_splits)
         self.device = device
         # Eager layout: 4 token arrays (ids, positions, slots, logits indices), query starts, lengths,
         # 2 tile arrays (at most one tile per token), block tables. Graph layouts are smaller.
@@ -223,7 +224,8 @@ class StepInputs:
                                  block_tables=v[8].view(seqs, width), max_query_len=max(h.query_lens),
                                  max_seq_len=max(h.seq_lens), tile_seq=v[6], tile_q0=v[7],
                                  block_q=block_q, block_m=block_m,
-                                 splits=tile_splits(seqs, self.num_kv_heads, block_q), counters=self.counters)
+                                 splits=tile_splits(seqs, self.num_kv_heads, block_q, self.batch_invariant),
+                                 counters=self.counters)
         return InputBatch(v[0], v[1], meta, v[3])
 
     def _build_graph_step(self, h: HostBatch, size: int, q: int) -> InputBatch:

@@ -142,7 +142,8 @@ class ModelRunner:
         # compute_logits() sends a whole prompt (up to max_model_len tokens) through one step.
         return StepInputs(self.block_size, mc.num_heads // mc.num_kv_heads, self.shard.num_kv_heads,
                           max(cfg.max_num_batched_tokens, self.max_model_len), cfg.max_num_seqs,
-                          -(-self.max_model_len // self.block_size), self.device, self.ledger)
+                          -(-self.max_model_len // self.block_size), self.device, self.ledger,
+                          batch_invariant=cfg.batch_invariant)
 
     # -- what the rows hold (None while released) -----------------------------------------
 
@@ -183,9 +184,13 @@ class ModelRunner:
         kernels = config.kernels or ("triton" if self.device.type == "cuda" else "torch")
         if kernels == "triton" and self.device.type != "cuda":
             raise InvalidRequestError("kernels='triton' needs a CUDA device; the CPU runs kernels='torch'")
+        if config.batch_invariant and kernels != "triton":
+            raise InvalidRequestError("batch_invariant=True needs the Triton kernels (a CUDA device): the torch "
+                                      "path's products are the BLAS library's, whose order depends on the rows")
         if kernels == "torch":
             return TorchOps()
-        return TritonOps(torch.cuda.get_device_properties(self.device).multi_processor_count, self.ctx)
+        return TritonOps(torch.cuda.get_device_properties(self.device).multi_processor_count, self.ctx,
+                         batch_invariant=config.batch_invariant)
 
     def _graph_summary(self) -> str:
         graphs = self.graphs

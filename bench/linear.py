@@ -1,13 +1,16 @@
-"""The few-row products and the argmax of a decode step: cuBLAS/torch against tidyrun.kernels.skinny.
+"""The products and the argmax of a step: cuBLAS/torch against tidyrun.kernels.linear and .argmax.
 
-    python bench/skinny.py [--json bench/results/skinny.json]
+    python bench/linear.py [--json bench/results/linear.json] [--rows 1,16,64,256,1024,4096]
 
-One row (and 16) of bf16 activations times each weight shape of the 1.2B and
-8B Llama shapes and SmolLM2-135M (splits finished in-kernel, as the engine runs
+Rows of bf16 activations times each weight shape of the 1.2B and 8B Llama
+shapes and SmolLM2-135M (few-row splits finished in-kernel, as the engine runs
 them), and the MLP's gate/up product with its SiLU-mul (cuBLAS + the separate
-kernel against the gated skinny kernel). Every timing is a CUDA graph of repeated
-calls, so launch cost is not measured; weights rotate through > 300 MB of
-copies so they come from HBM, not the 50 MB L2. CUDA only.
+kernel against the gated kernel). Up to 16 rows the engine takes the kernel
+where it wins ("narrow" plans, gate/up); beyond, and for the wide shapes, only
+with ``batch_invariant=True``: those rows are the price of invariance. Every
+timing is a CUDA graph of repeated calls, so launch cost is not measured;
+weights rotate through > 300 MB of copies so they come from HBM, not the 50 MB
+L2. CUDA only.
 """
 
 from __future__ import annotations
@@ -50,40 +53,42 @@ def graph_us(fns: list, reps: int = 3) -> float:
 
 def main() -> None:
     from tidyrun.kernels.fused import silu_mul
-    from tidyrun.kernels.skinny import argmax_rows, gated_config, skinny_config, skinny_linear
+    from tidyrun.kernels.argmax import argmax_rows
+    from tidyrun.kernels.linear import gated_plan, linear, narrow_plan, wide_plan
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default="bench/results/skinny.json")
+    ap.add_argument("--json", default="bench/results/linear.json")
+    ap.add_argument("--rows", default="1,16,64,256,1024,4096")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     rows = []
     for gated, shapes in ((False, SHAPES), (True, GATED_SHAPES)):
         for name, (n, k) in shapes.items():
-            tile = (gated_config if gated else skinny_config)(n, k, sms)
+            plan = gated_plan(n, k, sms) if gated else narrow_plan(n, k, sms)
+            wide = plan is None
+            plan = plan or wide_plan(n, k, sms)
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                        for _ in range(max(2, -(-300_000_000 // (n * k * 2))))]
-            for m in (1, 16):
+            for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = (lambda w: silu_mul(F.linear(x, w))) if gated else (lambda w: F.linear(x, w))
                 cublas = graph_us([lambda w=w: ref(w) for w in weights])
-                ours = graph_us([lambda w=w: skinny_linear(x, w, None, tile, counters, gated=gated)
-                                 for w in weights]) if tile else None
-                rows.append(dict(op=name, rows=m, tile=tile._asdict() if tile else None, torch_us=cublas,
-                                 skinny_us=ours))
+                ours = graph_us([lambda w=w: linear(x, w, None, plan, counters, gated=gated) for w in weights])
+                rows.append(dict(op=name, rows=m, plan=plan._asdict(), torch_us=cublas, kernel_us=ours,
+                                 engine_default="kernel" if m <= 16 and not wide else "cuBLAS"))
             del weights
     for vocab in (128256, 49152):
         for m in (1, 16):
             x = torch.randn(m, vocab, device="cuda", dtype=torch.bfloat16)
             assert torch.equal(argmax_rows(x), x.argmax(-1))
             rows.append(dict(op=f"argmax vocab {vocab}", rows=m, tile=None, torch_us=graph_us([lambda: x.argmax(-1)]),
-                             skinny_us=graph_us([lambda: argmax_rows(x)])))
+                             kernel_us=graph_us([lambda: argmax_rows(x)]), engine_default="kernel"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
-    print("| op | rows | torch / cuBLAS us | skinny us | ratio |\n|---|---|---|---|---|")
+    print("| op | rows | torch / cuBLAS us | kernel us | cuBLAS / kernel | engine default |\n|---|---|---|---|---|---|")
     for r in rows:
-        ours = r["skinny_us"]
-        cell = "cuBLAS kept" if ours is None else f"{ours:.1f} | {r['torch_us'] / ours:.2f}x"
-        print(f"| {r['op']} | {r['rows']} | {r['torch_us']:.1f} | {cell} |")
+        print(f"| {r['op']} | {r['rows']} | {r['torch_us']:.1f} | {r['kernel_us']:.1f} | "
+              f"{r['torch_us'] / r['kernel_us']:.2f}x | {r['engine_default']} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
