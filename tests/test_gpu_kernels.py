@@ -47,11 +47,16 @@ def test_fused_kernels_match_reference(dtype):
     kc.check_fused("cuda", dtype, kc.FUSED_SHAPES + ((256, 2048, 32, 8, 64), (7, 4096, 32, 8, 128)))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_decode_row_equals_prefill_row(dtype):
+    kc.check_attention_invariance("cuda", dtype)
+
+
 def test_linear_kernel_is_batch_invariant_and_matches_torch():
     """bf16, with the many-row tiles the runner uses; float32 runs the same code with ieee dots (interpreter test)."""
-    shapes = kc.LINEAR_SHAPES + ((1, 2048, 2048), (16, 3072, 2048), (4, 2048, 8192), (2, 49152, 576), (300, 2048, 2048))
-    kc.check_linear("cuda", torch.bfloat16, shapes, [(16, 128, 1, 3), (64, 128, 8, 3), (32, 512, 2, 4)],
-                    tiles=((64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3)))
+    shapes = kc.LINEAR_SHAPES + ((16, 3072, 2048), (2, 49152, 576), (300, 2048, 2048))
+    kc.check_linear("cuda", torch.bfloat16, shapes, [(64, 128, 8, 3), (32, 512, 2, 4)],
+                    tiles=((64, 64, 4, 4), (128, 128, 8, 3)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

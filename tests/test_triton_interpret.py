@@ -18,6 +18,7 @@ SCRIPT = """
 import torch, kernel_checks as kc
 kc.check_padding_rows("cpu", torch.float32)
 kc.check_padding_rows("cpu", torch.float32, splits=4)
+kc.check_attention_invariance("cpu", torch.float32)
 kc.check_fused("cpu", torch.float32, kc.FUSED_SHAPES)
 kc.check_attention("cpu", torch.float32, kc.ATTENTION_CASES, atol=1e-4)
 kc.check_attention("cpu", torch.float32, kc.WINDOW_CASES, atol=1e-4, windows=(1, 5, 40))

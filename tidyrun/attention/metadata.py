@@ -49,16 +49,20 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
+def tile_shape(group: int, max_query_len: int, batch_invariant: bool = False) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M) of the Triton attention kernel: query tokens per tile, rows per tile.
 
     A tile holds ``BLOCK_Q`` query tokens times the ``group`` query heads that
     share a KV head. Decode batches take one token per tile (padded to the 16
-    rows ``tl.dot`` needs); anything longer takes 64-row tiles.
+    rows ``tl.dot`` needs); anything longer takes 64-row tiles. ``batch_invariant``:
+    decode tiles take the 64 rows of the others too. The row sums of a tile
+    follow its dot's register layout (16 and 64 rows differ on the H200), so a
+    token decoded in a 16-row tile and verified or prefilled in a 64-row tile
+    got different bits at 2 of 16 positions.
     """
-    if max_query_len == 1:
-        return 1, max(16, _next_power_of_2(group))
     block_m = max(64, _next_power_of_2(group))
+    if max_query_len == 1:
+        return 1, block_m if batch_invariant else max(16, _next_power_of_2(group))
     return block_m // group, block_m
 
 

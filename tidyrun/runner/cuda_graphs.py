@@ -100,7 +100,7 @@ class CudaGraphManager:
 
     def _metadata(self, size: int, q: int) -> AttentionMetadata:
         views = self._inputs.graph_views(size, q)
-        block_q, block_m = tile_shape(self._group, q)
+        block_q, block_m = tile_shape(self._group, q, self._inputs.batch_invariant)
         tiles = -(-q // block_q)  # per sequence; a sequence with fewer rows leaves the last tiles empty
         tile_seq = torch.arange(size, dtype=torch.int64, device=self._device).repeat_interleave(tiles)
         tile_q0 = (torch.arange(tiles, dtype=torch.int64, device=self._device) * block_q).repeat(size)

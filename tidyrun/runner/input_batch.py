@@ -213,7 +213,7 @@ class StepInputs:
         if graph is not None:
             return self._build_graph_step(h, *graph)
         seqs = len(h.seq_lens)
-        block_q, block_m = tile_shape(self.group, max(h.query_lens))
+        block_q, block_m = tile_shape(self.group, max(h.query_lens), self.batch_invariant)
         tile_seq, tile_q0 = list_tiles(h.query_lens, block_q)
         width = max(len(t) for t in h.tables)
         arrays = [h.input_ids, h.positions, h.slots, h.logits_indices, h.query_start, h.seq_lens, tile_seq, tile_q0]
