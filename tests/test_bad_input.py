@@ -480,6 +480,17 @@ def test_triton_kernels_need_cuda(checkpoint):
         LLM(checkpoint, device="cpu", kernels="triton")
 
 
+def test_batch_invariance_is_refused_where_it_is_not_verified(tmp_path, hf_tokenizer_dir):
+    from conftest import write_tiny_checkpoint
+    from test_architectures import ARCHS
+
+    moe = write_tiny_checkpoint(str(tmp_path), hf_tokenizer_dir, **ARCHS["olmoe"])
+    with pytest.raises(InvalidRequestError, match="not available for mixture-of-experts models"):
+        LLM(moe, device="cpu", batch_invariant=True)
+    with pytest.raises(InvalidRequestError, match="not available with tensor_parallel_size > 1"):
+        LLM(moe, device="cpu", batch_invariant=True, tensor_parallel_size=2)
+
+
 def test_batch_invariance_needs_the_triton_kernels(checkpoint, monkeypatch):
     """Asked for by keyword or by vLLM's environment switch, it is refused on the CPU rather than ignored."""
     with pytest.raises(InvalidRequestError, match="batch_invariant=True needs the Triton kernels"):

@@ -246,6 +246,9 @@ class EngineConfig:
         for name in ("enforce_eager", "keep_host_buffers", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.batch_invariant and tp > 1:
+            raise InvalidRequestError("batch_invariant=True is not available with tensor_parallel_size > 1: "
+                                      "the all-reduce's order over rows is not verified (docs/BENCHMARKS.md)")
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if (not isinstance(sizes, (list, tuple)) or not sizes

@@ -178,8 +178,9 @@ class LLM:
     ``batch_invariant=True`` (CUDA) makes every row's result independent of
     what else shares the step: greedy output batched equals alone and
     speculation on equals off, bit for bit, at a cost in speed
-    (docs/BENCHMARKS.md). None: vLLM's switch, the environment variable
-    ``VLLM_BATCH_INVARIANT=1``, else off.
+    (docs/BENCHMARKS.md); dense models on one rank (refused for mixtures of
+    experts and ``tensor_parallel_size > 1``, not verified there). None:
+    vLLM's switch, the environment variable ``VLLM_BATCH_INVARIANT=1``, else off.
     ``tensor_parallel_size=N`` splits the model over N ranks: this process
     is rank 0 and spawns N - 1 worker processes (one per further GPU on
     CUDA, gloo on the CPU; a script needs ``if __name__ == "__main__"``);

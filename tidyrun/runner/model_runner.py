@@ -184,6 +184,9 @@ class ModelRunner:
         kernels = config.kernels or ("triton" if self.device.type == "cuda" else "torch")
         if kernels == "triton" and self.device.type != "cuda":
             raise InvalidRequestError("kernels='triton' needs a CUDA device; the CPU runs kernels='torch'")
+        if config.batch_invariant and self.model_config.num_experts:
+            raise InvalidRequestError("batch_invariant=True is not available for mixture-of-experts models: the "
+                                      "expert kernel's invariance is not verified (docs/BENCHMARKS.md)")
         if config.batch_invariant and kernels != "triton":
             raise InvalidRequestError("batch_invariant=True needs the Triton kernels (a CUDA device): the torch "
                                       "path's products are the BLAS library's, whose order depends on the rows")
