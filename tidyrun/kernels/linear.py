@@ -30,8 +30,6 @@ import triton
 import triton.language as tl
 
 FEW_ROWS = 16  # up to this many rows a product is split over programs by segment (the smallest dot tile)
-
-
 MANY_ROW_BLOCK_K = 64  # the many-row launch's reduction step; every plan's k_seg is a multiple of it
 
 

@@ -272,14 +272,14 @@ class CudaGraphsRow(Component):
     owner, tag = "cuda_graphs", STEP
 
     def __init__(self, sizes: dict[int, tuple[int, ...]], weights: Weights, kv: KVCacheRow, inputs: StepInputsRow,
-                 group: int, ctx: ForwardContext, ledger: ResourceLedger) -> None:
+                 ctx: ForwardContext, ledger: ResourceLedger) -> None:
         self.sizes, self._weights, self._kv, self._inputs = sizes, weights, kv, inputs
-        self._group, self._ctx, self._ledger = group, ctx, ledger
+        self._ctx, self._ledger = ctx, ledger
         self._warm = False
         self.graphs: CudaGraphManager | None = None
 
     def acquire(self) -> None:
-        graphs = CudaGraphManager(self.sizes, self._inputs.inputs, self._group, self._weights.device, self._ledger)
+        graphs = CudaGraphManager(self.sizes, self._inputs.inputs, self._weights.device, self._ledger)
         try:
             graphs.capture(self._weights.model, self._kv.cache, self._ctx, warm_up=not self._warm)
         except BaseException:

@@ -33,7 +33,6 @@ from typing import NamedTuple
 import torch
 
 from ..attention import AttentionMetadata, ForwardContext
-from ..attention.metadata import tile_shape, tile_splits
 from ..kv_cache import KVCache
 from ..resources import ResourceLedger, capture_stream
 from .input_batch import StepInputs
@@ -75,10 +74,10 @@ class CudaGraphManager:
 
     LOGITS_MAX_ROWS = 64  # graphs of up to this many rows end with the LM head and argmax (module docstring)
 
-    def __init__(self, sizes: dict[int, tuple[int, ...]], inputs: StepInputs, group: int, device: torch.device,
+    def __init__(self, sizes: dict[int, tuple[int, ...]], inputs: StepInputs, device: torch.device,
                  ledger: ResourceLedger) -> None:
         self.sizes = {q: tuple(sorted(s)) for q, s in sizes.items()}
-        self._inputs, self._group, self._device, self._ledger = inputs, group, device, ledger
+        self._inputs, self._device, self._ledger = inputs, device, ledger
         self._graphs = _Graphs()
         self._outputs: dict[GraphKey, GraphOutput] = {}
         self._metas: dict[GraphKey, AttentionMetadata] = {}
@@ -100,7 +99,7 @@ class CudaGraphManager:
 
     def _metadata(self, size: int, q: int) -> AttentionMetadata:
         views = self._inputs.graph_views(size, q)
-        block_q, block_m = tile_shape(self._group, q, self._inputs.batch_invariant)
+        block_q, block_m, splits = self._inputs.attention_tiles(size, q)
         tiles = -(-q // block_q)  # per sequence; a sequence with fewer rows leaves the last tiles empty
         tile_seq = torch.arange(size, dtype=torch.int64, device=self._device).repeat_interleave(tiles)
         tile_q0 = (torch.arange(tiles, dtype=torch.int64, device=self._device) * block_q).repeat(size)
@@ -109,7 +108,7 @@ class CudaGraphManager:
         return AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
                                  seq_lens=views["seq_lens"], block_tables=views["block_tables"], max_query_len=q,
                                  max_seq_len=0, tile_seq=tile_seq, tile_q0=tile_q0, block_q=block_q, block_m=block_m,
-                                 splits=tile_splits(size, self._inputs.num_kv_heads, block_q, self._inputs.batch_invariant),
+                                 splits=splits,
                                  counters=self._inputs.counters)
 
     @torch.inference_mode()

@@ -147,10 +147,11 @@ class StepInputs:
     NUM_COUNTERS = 4096  # output tiles of one split few-row product (at most 4096 / 32 = 128 in use)
 
     def __init__(self, block_size: int, group: int, num_kv_heads: int, max_tokens: int, max_seqs: int,
-                 max_blocks: int, device: torch.device, ledger: ResourceLedger, batch_invariant: bool = False) -> None:
+                 max_blocks: int, device: torch.device, ledger: ResourceLedger,
+                 batch_invariant: bool = False) -> None:
         self.block_size, self.group, self.max_blocks = block_size, group, max_blocks
         self.num_kv_heads = num_kv_heads
-        self.batch_invariant = batch_invariant  # attention keys never split (see tile_splits)
+        self.batch_invariant = batch_invariant  # see attention_tiles
         self.device = device
         # Eager layout: 4 token arrays (ids, positions, slots, logits indices), query starts, lengths,
         # 2 tile arrays (at most one tile per token), block tables. Graph layouts are smaller.
@@ -209,11 +210,17 @@ class StepInputs:
         if self.host_buf.is_pinned():
             unpin_host_buffer(self.host_buf)
 
+    def attention_tiles(self, num_seqs: int, max_query_len: int) -> tuple[int, int, int]:
+        """(BLOCK_Q, BLOCK_M, splits) of the attention kernel for a step of ``num_seqs`` sequences, eager or
+        captured; with ``batch_invariant`` the shape a decode row gets is the one a prefill row gets."""
+        block_q, block_m = tile_shape(self.group, max_query_len, self.batch_invariant)
+        return block_q, block_m, tile_splits(num_seqs, self.num_kv_heads, block_q, self.batch_invariant)
+
     def build(self, h: HostBatch, graph: tuple[int, int] | None = None) -> InputBatch:
         if graph is not None:
             return self._build_graph_step(h, *graph)
         seqs = len(h.seq_lens)
-        block_q, block_m = tile_shape(self.group, max(h.query_lens), self.batch_invariant)
+        block_q, block_m, splits = self.attention_tiles(seqs, max(h.query_lens))
         tile_seq, tile_q0 = list_tiles(h.query_lens, block_q)
         width = max(len(t) for t in h.tables)
         arrays = [h.input_ids, h.positions, h.slots, h.logits_indices, h.query_start, h.seq_lens, tile_seq, tile_q0]
@@ -223,9 +230,7 @@ class StepInputs:
         meta = AttentionMetadata(slot_mapping=v[2], query_start_loc=v[4], seq_lens=v[5],
                                  block_tables=v[8].view(seqs, width), max_query_len=max(h.query_lens),
                                  max_seq_len=max(h.seq_lens), tile_seq=v[6], tile_q0=v[7],
-                                 block_q=block_q, block_m=block_m,
-                                 splits=tile_splits(seqs, self.num_kv_heads, block_q, self.batch_invariant),
-                                 counters=self.counters)
+                                 block_q=block_q, block_m=block_m, splits=splits, counters=self.counters)
         return InputBatch(v[0], v[1], meta, v[3])
 
     def _build_graph_step(self, h: HostBatch, size: int, q: int) -> InputBatch:

@@ -128,7 +128,7 @@ class ModelRunner:
             table.append(self.step_inputs)
             if self.graph_sizes is not None:
                 self.cuda_graphs = CudaGraphsRow(self.graph_sizes, self.weights, self.kv, self.step_inputs,
-                                                 mc.num_heads // mc.num_kv_heads, self.ctx, self.ledger)
+                                                 self.ctx, self.ledger)
                 table.append(self.cuda_graphs)
         return table
 
