@@ -136,11 +136,24 @@ def test_a_value_tidyrun_cannot_honour_is_refused_before_the_model_is_opened(nam
     assert name in str(info.value)
 
 
-def test_external_launcher_is_one_rank_only_and_aliases_must_agree(tmp_path):
+def test_external_launcher_needs_a_launcher_and_aliases_must_agree(tmp_path, monkeypatch):
     missing = str(tmp_path / "no_such_model")
-    with pytest.raises(InvalidRequestError, match="external_launcher.*tensor_parallel_size=2 is not supported yet"):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(InvalidRequestError, match="external_launcher.*torchrun.*RANK, WORLD_SIZE, MASTER_ADDR, "
+                                                  "MASTER_PORT not set here"):
         LLM(missing, distributed_executor_backend="external_launcher", tensor_parallel_size=2)
-    with pytest.raises(InvalidRequestError, match=r"distributed_executor_backend='uni'.*\[None, 'mp'\]"):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "0")  # what torchrun --master-port 0 passes on
+    with pytest.raises(InvalidRequestError, match="MASTER_PORT=0 is not a port"):
+        LLM(missing, distributed_executor_backend="external_launcher", tensor_parallel_size=2)
+    with pytest.raises(InvalidRequestError, match="process_group .* needs tensor_parallel_size > 1 and "
+                                                  "distributed_executor_backend='external_launcher'"):
+        LLM(missing, process_group=object())
+    with pytest.raises(InvalidRequestError, match=r"distributed_executor_backend='uni'.*\[None, 'mp', "
+                                                  r"'external_launcher'\]"):
         LLM(missing, distributed_executor_backend="uni", tensor_parallel_size=2)
     with pytest.raises(InvalidRequestError, match="kv_cache_memory=1 and kv_cache_memory_bytes=2 are one option"):
         LLM(missing, kv_cache_memory=1, kv_cache_memory_bytes=2)

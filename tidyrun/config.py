@@ -202,6 +202,10 @@ class EngineConfig:
     # Ranks the model is split over (one process each; rank 0 is this process). Checked against the model
     # (at most one rank per KV head) and the devices when the engine starts.
     tensor_parallel_size: int = 1
+    # How the ranks start (vLLM's names): None or "mp", this engine spawns ranks 1..N-1 ("uni" too at one
+    # rank); "external_launcher", the caller's launcher (torchrun) started one process per rank and each
+    # builds its own engine (distributed/external.py). At one rank every backend is the in-process engine.
+    distributed_executor_backend: str | None = None
     # Keep the pinned host copy of the weights between level-1 sleeps (allocated once, reused) instead of
     # freeing it at every wake; costs host memory the size of the weights while awake.
     keep_host_buffers: bool = True
@@ -241,6 +245,13 @@ class EngineConfig:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise InvalidRequestError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
 
+        backend = self.distributed_executor_backend
+        allowed = EXECUTOR_BACKENDS if tp == 1 else MULTI_RANK_BACKENDS
+        if backend not in allowed:
+            raise InvalidRequestError(
+                f"distributed_executor_backend={backend!r} is not supported with tensor_parallel_size={tp}: "
+                f"pass one of {list(allowed)}")
+
         if self.kernels not in (None, "torch", "triton"):
             raise InvalidRequestError(f"kernels must be 'torch', 'triton' or None, got {self.kernels!r}")
         for name in ("enforce_eager", "keep_host_buffers", "batch_invariant"):
@@ -269,6 +280,11 @@ class EngineConfig:
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+# vLLM's distributed_executor_backend values tidyrun runs: any at one rank (one rank is always in-process);
+# above one, ranks this engine spawns (None, "mp") or ranks the caller's launcher started.
+EXECUTOR_BACKENDS = (None, "mp", "uni", "external_launcher")
+MULTI_RANK_BACKENDS = (None, "mp", "external_launcher")
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 

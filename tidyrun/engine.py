@@ -26,6 +26,7 @@ import torch
 
 from .config import EngineConfig, SpeculativeConfig
 from .distributed.driver import TPDriverRunner
+from .distributed.external import Launch, LaunchedRankRunner
 from .engine_args import CHECKED_APART, check_no_effect_options, engine_config
 from .errors import EngineShutdownError, InvalidRequestError
 from .intake import Prompt, PromptType, RequestIntake
@@ -184,7 +185,15 @@ class LLM:
     ``tensor_parallel_size=N`` splits the model over N ranks: this process
     is rank 0 and spawns N - 1 worker processes (one per further GPU on
     CUDA, gloo on the CPU; a script needs ``if __name__ == "__main__"``);
-    ``shutdown()`` stops them and reports each rank.
+    ``shutdown()`` stops them and reports each rank. With
+    ``distributed_executor_backend="external_launcher"`` the caller's
+    launcher (torchrun, one process per rank, on one node or several)
+    started the ranks instead: every process builds its own LLM and makes
+    the same calls (generate with the same prompts and params, sleep,
+    wake_up, load_weights) and gets the same outputs; each N consecutive
+    ranks form one engine, on the launcher's store and a process group of
+    the engine's own (the default group stays the caller's), or on
+    ``process_group``, a ``torch.distributed`` group the caller built.
     ``config``: an ``EngineConfig`` instead of the keyword options (passing
     both is refused with InvalidRequestError naming the options).
 
@@ -208,8 +217,9 @@ class LLM:
     ``skip_tokenizer_init`` (False), ``tokenizer_mode`` ("auto"/"hf"),
     ``enable_chunked_prefill`` (None/True: prefills are always chunked),
     ``hf_overrides`` / ``limit_mm_per_prompt`` (None/{}), ``kv_cache_dtype``
-    ("auto"), ``distributed_executor_backend`` (None, "mp"; at one rank also
-    "uni" and "external_launcher", TRL's colocate mode, which is in-process).
+    ("auto"), ``distributed_executor_backend`` (None, "mp",
+    "external_launcher"; at one rank also "uni"; every backend at one rank is
+    the in-process engine, which is what TRL's colocate mode asks for).
     An unknown keyword is a TypeError, as for any function.
     """
 
@@ -233,25 +243,34 @@ class LLM:
                  skip_tokenizer_init: bool = False, tokenizer_mode: str = "auto",
                  enable_chunked_prefill: bool | None = None, hf_overrides: dict | None = None,
                  kv_cache_dtype: str = "auto", limit_mm_per_prompt: dict | None = None,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, process_group=None) -> None:
         # The keyword options, taken before any other local exists: every one, however many are added.
-        options = {k: v for k, v in locals().items() if k not in ("self", "model", "config")}
+        options = {k: v for k, v in locals().items() if k not in ("self", "model", "config", "process_group")}
         self._closed = True  # until construction succeeds; makes shutdown() safe on a failed start
         self.runner: ModelRunner | None = None
         # Every keyword is checked before any file is opened.
-        check_no_effect_options(options, config.tensor_parallel_size if config is not None else tensor_parallel_size)
+        check_no_effect_options(options)
         if config is None:
             config = engine_config(model, options)
         else:
             _check_no_options_besides(config, model, options)
+        launched = config.tensor_parallel_size > 1 and config.distributed_executor_backend == "external_launcher"
+        if process_group is not None and not launched:
+            raise InvalidRequestError("process_group is the group of ranks an external launcher started: it needs "
+                                      "tensor_parallel_size > 1 and distributed_executor_backend='external_launcher'")
+        if launched and process_group is None:
+            Launch.from_env()  # refuses a process no launcher started, before the model is opened
         self.config = config
         self._report: EngineShutdownReport | None = None
         self.source = open_engine_source(config)
         self.tokenizer = open_engine_tokenizer(config, self.source)
         sampling_defaults = MappingProxyType(generation_defaults(self.source.path))  # checked before the runner
         try:
-            runner_class = ModelRunner if config.tensor_parallel_size == 1 else TPDriverRunner
-            self.runner = runner_class(self.source, config, self.tokenizer.eos_token_ids)
+            if launched:
+                self.runner = LaunchedRankRunner(self.source, config, self.tokenizer.eos_token_ids, process_group)
+            else:
+                runner_class = ModelRunner if config.tensor_parallel_size == 1 else TPDriverRunner
+                self.runner = runner_class(self.source, config, self.tokenizer.eos_token_ids)
         except BaseException as exc:
             drop_traceback_locals(exc)  # the runner already released what it took
             raise

@@ -72,36 +72,16 @@ NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
 })
 
 # Every keyword check_no_effect_options checks (and that LLM(config=...) therefore does not count as a conflict).
-CHECKED_APART = frozenset(NO_EFFECT) | {"distributed_executor_backend"}
-
-# vLLM's distributed_executor_backend values that run the way tidyrun runs, by tensor_parallel_size.
-_SINGLE_RANK_BACKENDS = (None, "mp", "uni", "external_launcher")
-_MULTI_RANK_BACKENDS = (None, "mp")
+CHECKED_APART = frozenset(NO_EFFECT)
 
 
-def check_no_effect_options(options: Mapping[str, Any], tensor_parallel_size: int) -> None:
-    """Refuse a keyword of ``NO_EFFECT`` (or distributed_executor_backend) at a value tidyrun cannot honour."""
+def check_no_effect_options(options: Mapping[str, Any]) -> None:
+    """Refuse a keyword of ``NO_EFFECT`` at a value tidyrun cannot honour."""
     for name, accepted in NO_EFFECT.items():
         value = options[name]
         if not accepted.ok(value):
             raise InvalidRequestError(f"LLM({name}={value!r}) is not supported: {accepted.meaning}; "
                                       f"pass {accepted.values} (or leave it out)")
-    backend = options["distributed_executor_backend"]
-    if tensor_parallel_size == 1 and backend in _SINGLE_RANK_BACKENDS:
-        # "external_launcher" (TRL's colocate mode under torchrun/accelerate): every training process builds
-        # its own one-rank engine in-process, which is what a tidyrun engine of one rank always is.
-        return
-    if tensor_parallel_size != 1 and backend in _MULTI_RANK_BACKENDS:
-        return  # the worker ranks are processes this engine spawns, as vLLM's "mp" backend does
-    if backend == "external_launcher":
-        raise InvalidRequestError(
-            f"LLM(distributed_executor_backend='external_launcher') with tensor_parallel_size="
-            f"{tensor_parallel_size} is not supported yet: tidyrun cannot join ranks launched by torchrun; use "
-            "tensor_parallel_size=1 per process, or leave the backend out (this engine then spawns its ranks)")
-    allowed = _SINGLE_RANK_BACKENDS if tensor_parallel_size == 1 else _MULTI_RANK_BACKENDS
-    raise InvalidRequestError(
-        f"LLM(distributed_executor_backend={backend!r}) is not supported with tensor_parallel_size="
-        f"{tensor_parallel_size}: pass one of {list(allowed)}")
 
 
 def _alias(options: Mapping[str, Any], ours: str, theirs: str, default=None):
@@ -181,6 +161,7 @@ def engine_config(model: str | None, options: Mapping[str, Any]) -> EngineConfig
         enforce_eager=options["enforce_eager"], cuda_graph_sizes=_cuda_graph_sizes(options),
         kernels=options["kernels"], batch_invariant=_batch_invariant(options["batch_invariant"]),
         tensor_parallel_size=options["tensor_parallel_size"],
+        distributed_executor_backend=options["distributed_executor_backend"],
         keep_host_buffers=options["keep_host_buffers"],
         cache=CacheConfig(block_size=options["block_size"], num_blocks=options["num_kv_blocks"],
                           memory_bytes=_alias(options, "kv_cache_memory", "kv_cache_memory_bytes"),

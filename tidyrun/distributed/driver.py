@@ -36,19 +36,15 @@ from ..runner.model_runner import ModelRunner, StepLogits, _name_tensor_pairs
 from ..runner.rpc import call_on_rank
 from .group import TPGroup
 from .pool import WorkerPool
-from .rank import TPRank
+from .rank import COLLECTIVE_TIMEOUT_S, TPRank, check_rank_count
 
-COLLECTIVE_TIMEOUT_S = 300.0  # a collective (or the rendezvous) that waits longer fails instead of hanging
 
 logger = logging.getLogger("tidyrun")
 
 
 def check_tensor_parallel_size(world: int, cfg: ModelConfig, device: torch.device) -> None:
     """Refuse a tensor_parallel_size the model or the machine cannot take, before any process starts."""
-    if world > cfg.num_kv_heads:
-        raise InvalidRequestError(
-            f"tensor_parallel_size={world} exceeds the model's {cfg.num_kv_heads} KV heads: every rank needs "
-            f"at least one whole KV head")
+    check_rank_count(world, cfg)
     if device.type == "cuda" and device.index + world > torch.cuda.device_count():
         raise InvalidRequestError(
             f"tensor_parallel_size={world} needs GPUs {device.index}..{device.index + world - 1} (one per rank), "
@@ -209,7 +205,7 @@ class TPDriverRunner(ModelRunner):
         items = list(weights.items()) if hasattr(weights, "items") else list(_name_tensor_pairs(weights))
         refill = "weights" in self.sleeping
         try:
-            self.model.check_weights(items, require_all=refill)
+            self.model.check_weights(items, require_all=refill, full_only=True)  # each rank takes its slice
         except ModelLoadError as exc:
             raise InvalidRequestError(f"update_weights: {exc}") from exc
         if self.model.lm_head is None:  # tied head: the checkpoint's copy is skipped on every rank

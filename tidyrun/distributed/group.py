@@ -3,10 +3,17 @@
 ``torch.distributed.init_process_group`` installs one process-wide default
 group: two tensor-parallel engines in one process would clash over it, and a
 user's own training loop may already own it. A TPGroup instead builds its
-store and its process-group object directly (``TCPStore`` +
-``ProcessGroupGloo`` on the CPU, ``ProcessGroupNCCL`` on CUDA) and calls
-their collectives itself; nothing is registered anywhere, so dropping the
-object is the whole teardown.
+process-group object directly on a store (``ProcessGroupGloo`` on the CPU,
+``ProcessGroupNCCL`` on CUDA) and calls its collectives itself; nothing is
+registered anywhere, so dropping the object is the whole teardown.
+
+Where the store comes from is the only difference between the two ways
+ranks start: an engine that spawns its workers hosts a ``TCPStore`` of its
+own (rank 0) that they join by address; ranks started by the caller's
+launcher (torchrun: ``external.py``) share the launcher's store under a
+prefix of their own. A caller may also hand over a process group it built
+(``torch.distributed.new_group``): the TPGroup then only runs collectives on
+it and never shuts it down.
 
 Teardown order (the runner's shutdown): CUDA graphs and every tensor a
 collective may still touch first, then ``destroy()``: the group is shut down
@@ -26,38 +33,53 @@ from ..errors import WorkerError
 class TPGroup:
     """Collectives over the ranks of one tensor-parallel engine.
 
-    Owns communicators (not ledger-tracked tensors): the TCP store (rank 0,
-    the driver, runs its server and picks a free port on creation; the
-    workers connect to ``address``) and, after ``connect()``, the process
-    group. Owns no tensor between calls.
+    Owns communicators (not ledger-tracked tensors): the store (spawned
+    ranks: rank 0, the driver, runs its server and picks a free port on
+    creation; the workers connect to ``address``; launched ranks: ``store``,
+    the launcher's under a prefix) and, after ``connect()``, the process
+    group, unless the caller gave one (``pg``: never shut down here). Owns
+    no tensor between calls.
+
+    ``every_rank_samples``: ``gather_last_dim`` hands the logits to every
+    rank (launched ranks each run the whole engine), not to rank 0 only.
     """
 
     def __init__(self, rank: int, world: int, device: torch.device, timeout_s: float,
-                 address: tuple[str, int] | None = None) -> None:
+                 address: tuple[str, int] | None = None, *, store: dist.Store | None = None,
+                 pg: dist.ProcessGroup | None = None, every_rank_samples: bool = False) -> None:
         self.rank, self.world, self.device = rank, world, device
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.pg: dist.ProcessGroup | None = None
-        self.store: dist.Store | None = None
+        self.every_rank_samples = every_rank_samples
+        self.owns_pg = pg is None
+        self.pg: dist.ProcessGroup | None = pg
+        self.store: dist.Store | None = store
+        self.address = address
+        if pg is not None or store is not None:
+            return
         if rank == 0:
             self.store = dist.TCPStore("127.0.0.1", 0, world, True, self.timeout, wait_for_workers=False)
             self.address = ("127.0.0.1", self.store.port)
         elif address is None:
             raise ValueError("a worker's TPGroup needs the driver's store address")
-        else:
-            self.address = address
 
     @property
     def backend(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
     def connect(self) -> None:
-        """Rendezvous with the other ranks (every rank calls it) and build the process group."""
+        """Rendezvous with the other ranks (every rank calls it) and build the process group (a caller's group
+        is connected already)."""
+        if not self.owns_pg:
+            return
         if self.store is None:
             self.store = dist.TCPStore(self.address[0], self.address[1], self.world, False, self.timeout)
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.world, options)
+        elif self.address is None:  # launched ranks, maybe on several hosts: this host's interface (as
+            # torch.distributed picks it: GLOO_SOCKET_IFNAME, else the host name's address)
+            self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, self.timeout)
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = self.timeout
@@ -82,20 +104,32 @@ class TPGroup:
         return t
 
     def gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
-        """Concatenate every rank's ``t`` along the last dimension on rank 0 (others get None).
+        """Concatenate every rank's ``t`` along the last dimension on rank 0 (others get None), or on every
+        rank (``every_rank_samples``).
 
         ``sizes[r]`` is rank r's length of that dimension; shorter parts are
         padded to the longest for the collective and trimmed after it.
         """
         width = max(sizes)
-        part = t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        out = [[torch.empty_like(part) for _ in range(self.world)]] if self.rank == 0 else []
-        self._group().gather(out, [part.contiguous()], opts).wait()
-        if self.rank != 0:
+        part = (t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))).contiguous()
+        receives = self.every_rank_samples or self.rank == 0
+        out = [[torch.empty_like(part) for _ in range(self.world)]] if receives else []
+        if self.every_rank_samples:
+            self._group().allgather(out, [part]).wait()
+        else:
+            opts = dist.GatherOptions()
+            opts.rootRank = 0
+            self._group().gather(out, [part], opts).wait()
+        if not receives:
             return None
         return torch.cat([o[..., :n] for o, n in zip(out[0], sizes)], dim=-1)
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same count on each), by rank."""
+        part = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = [[torch.empty_like(part) for _ in range(self.world)]]
+        self._group().allgather(out, [part]).wait()
+        return [o.tolist() for o in out[0]]
 
     def abort(self) -> None:
         """Fail the collectives in flight now (a peer died; called from the pool's watcher thread).
@@ -105,13 +139,14 @@ class TPGroup:
         its collectives, and its ``abort`` would not interrupt a waiting one.
         """
         pg = self.pg
-        if pg is not None and self.backend == "nccl":
+        if pg is not None and self.owns_pg and self.backend == "nccl":
             pg.abort()
 
     def destroy(self) -> None:
-        """Shut the group down and drop it and the store; idempotent, never raises (it runs in shutdown paths)."""
+        """Shut the group down (a caller's group is only let go) and drop it and the store; idempotent, never
+        raises (it runs in shutdown paths)."""
         pg, self.pg = self.pg, None
-        if pg is not None:
+        if pg is not None and self.owns_pg:
             try:
                 pg.shutdown()
             except RuntimeError:  # a group whose peer died may refuse an orderly shutdown; dropping it still frees it

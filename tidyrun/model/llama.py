@@ -14,8 +14,9 @@ With tensor parallelism (a ``TPShard`` of ``world > 1`` and its ``TPGroup``)
 each rank builds only its slice: QKV column-parallel by KV head, o_proj and
 down_proj row-parallel (followed by an all-reduce), gate/up column-parallel by
 intermediate channel, embedding and LM head vocabulary-parallel (logits are
-gathered on rank 0 only). Checkpoint tensors stay full-sized; each rank copies
-its slice of them. With ``world == 1`` no collective runs and every slice is
+gathered on rank 0, or on every rank when each samples for itself).
+Checkpoint tensors stay full-sized; each rank copies its slice of them (or
+takes a tensor that already is its slice, as a launched rank may be given). With ``world == 1`` no collective runs and every slice is
 the whole tensor.
 """
 
@@ -76,6 +77,23 @@ class WeightShard:
         """Copy this rank's part of the checkpoint ``tensor`` into its rows of the (placed) parameter."""
         param = self.param if self.expert is None else self.param[self.expert]
         param.narrow(0, self.row, self.rows).copy_(self.source(tensor))
+
+
+def rank_slice(pieces: tuple[WeightShard, ...]) -> tuple[WeightShard, ...] | None:
+    """The same pieces read from a tensor that holds only this rank's slice of the checkpoint tensor (its
+    pieces back to back along the split dimension), or None when the tensor is not split."""
+    dim = pieces[0].dim
+    if any(p.length is None or p.dim != dim for p in pieces):
+        return None
+    shape = list(pieces[0].shape)
+    shape[dim] = sum(p.length for p in pieces)
+    if tuple(shape) == pieces[0].shape:
+        return None
+    out, offset = [], 0
+    for p in pieces:
+        out.append(WeightShard(p.param, p.row, tuple(shape), dim, offset, p.length, p.expert))
+        offset += p.length
+    return tuple(out)
 
 
 class LlamaAttention(nn.Module):
@@ -320,16 +338,22 @@ class LlamaForCausalLM(nn.Module):
         """The weights under the checkpoint's names (a variant maps other spellings of them here)."""
         return iter(weights)
 
-    def _target(self, shards: dict[str, tuple[WeightShard, ...]], name: str,
-                tensor: torch.Tensor) -> tuple[WeightShard, ...]:
-        """Where ``name`` goes (its pieces), after checking its (full, checkpoint) shape and dtype."""
+    def _target(self, shards: dict[str, tuple[WeightShard, ...]], name: str, tensor: torch.Tensor,
+                full_only: bool = False) -> tuple[WeightShard, ...]:
+        """Where ``name`` goes (its pieces), after checking its shape and dtype: the checkpoint's full shape,
+        or (unless ``full_only``) this tensor-parallel rank's own slice of it."""
         if not isinstance(tensor, torch.Tensor):
             raise ModelLoadError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         if name not in shards:
             raise ModelLoadError(f"unexpected weight {name!r}: no such parameter in this {self.config.architecture} model")
         pieces = shards[name]
         if tuple(tensor.shape) != pieces[0].shape:
-            raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {pieces[0].shape}")
+            sliced = None if full_only else rank_slice(pieces)
+            if sliced is None or tuple(tensor.shape) != sliced[0].shape:
+                also = f" (or this rank's slice, {sliced[0].shape})" if sliced is not None else ""
+                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {pieces[0].shape}"
+                                     f"{also}")
+            pieces = sliced
         if not tensor.is_floating_point():
             raise ModelLoadError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
         return pieces
@@ -340,14 +364,16 @@ class LlamaForCausalLM(nn.Module):
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
 
-    def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> None:
-        """Validate names, shapes and dtypes without copying anything (for all-or-nothing updates)."""
+    def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True,
+                      full_only: bool = False) -> None:
+        """Validate names, shapes and dtypes without copying anything (for all-or-nothing updates);
+        ``full_only`` refuses a rank's slice (a driver sends full tensors to every rank)."""
         shards = self.weight_shards()
         names = set()
         for name, tensor in self.checkpoint_names(weights):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            self._target(shards, name, tensor)
+            self._target(shards, name, tensor, full_only)
             names.add(name)
         if require_all:
             self._check_complete(shards, names)

@@ -215,7 +215,9 @@ class ProcessGroupRow(Component):
 
     Tracked as an object (its communicator memory is not measured) so that
     shutdown proves it dead like any tensor; destroyed after the step state
-    (graphs) that could use it and before the KV cache and weights.
+    (graphs) that could use it and before the KV cache and weights. A group
+    the caller gave (``TPGroup.owns_pg`` False) is the caller's to keep: it
+    is neither tracked nor shut down.
     """
 
     owner, tag = "process_group", None
@@ -225,7 +227,9 @@ class ProcessGroupRow(Component):
 
     def acquire(self) -> None:
         self._group.connect()
-        self._ledger.track(self.owner, f"tp_group.rank{self._rank}", self._group.pg, nbytes=0, device=str(self._device))
+        if self._group.owns_pg:
+            self._ledger.track(self.owner, f"tp_group.rank{self._rank}", self._group.pg, nbytes=0,
+                               device=str(self._device))
 
     def release(self) -> None:
         self._group.destroy()

@@ -1,0 +1,160 @@
+"""One rank of an engine started by an external launcher (torchrun, or the tests' own env-variable launch).
+
+    python tests/launched_rank.py SCENARIO MODEL OUT_DIR
+
+Run by tests/test_launcher.py in every process of a launch; writes what it
+saw to OUT_DIR/rank{RANK}.json for the test to compare against a one-process
+engine. Scenarios:
+
+- ``lifecycle``: greedy outputs; again after sleep(1)/wake_up; after sleep(2), wake_up(["weights"]),
+  collective_rpc("reload_weights"), wake_up(["kv_cache"]); after update_weights with a full tensor and a
+  rank's own slice of another; a seeded sampled output; shutdown; the trainer's default group afterwards.
+- ``greedy``: greedy outputs and shutdown.
+- ``caller_group``: as ``greedy`` on a group the caller built with torch.distributed.new_group.
+- ``kill``: rank 1 kills itself during its third step; rank 0 records the error and how long it took.
+- ``diverge``: the ranks pass different prompts.
+- ``bad_start``: rank 1 asks for a context its KV cache cannot hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from tidyrun import LLM, SamplingParams
+from tidyrun.model.sharding import split_range
+
+PROMPTS = ["The capital of France is", "List three colours:", "1, 2, 3, 4,", "Once upon a time"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def perturbation(hidden: int, intermediate: int) -> dict[str, torch.Tensor]:
+    """Full tensors the lifecycle scenario pushes (the test pushes the same into a one-process engine)."""
+    gen = torch.Generator().manual_seed(0)
+    return {"model.norm.weight": torch.full((hidden,), 1.5),
+            "model.layers.0.mlp.down_proj.weight": torch.randn(hidden, intermediate, generator=gen) * 0.02}
+
+
+def greedy(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def engine(model: str, **kw) -> LLM:
+    options = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+                   tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    return LLM(model, **(options | kw))
+
+
+def lifecycle(model: str, rank: int) -> dict:
+    dist.init_process_group("gloo")  # the trainer's own default group, before and after the engine
+    out: dict = {}
+    llm = engine(model)
+    out["greedy"] = greedy(llm)
+    llm.sleep(1)
+    llm.wake_up()
+    out["after_sleep"] = greedy(llm)
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(["kv_cache"])
+    out["after_reload"] = greedy(llm)
+    cfg = llm.runner.model_config
+    weights = perturbation(cfg.hidden_size, cfg.intermediate_size)
+    start, length = split_range(cfg.intermediate_size, 2, rank)
+    down = "model.layers.0.mlp.down_proj.weight"
+    llm.load_weights([("model.norm.weight", weights["model.norm.weight"]),
+                      (down, weights[down].narrow(1, start, length).clone())])  # this rank's slice only
+    out["updated"] = greedy(llm)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=7)
+    out["sampled"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
+    report = llm.shutdown()
+    out["clean"], out["ranks"] = report.clean, len(report.ranks)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    out["trainer_group_sum"] = total.item()
+    out["trainer_world"] = dist.get_world_size()
+    dist.destroy_process_group()
+    return out
+
+
+def caller_group(model: str, rank: int) -> dict:
+    dist.init_process_group("gloo")
+    group = dist.new_group([0, 1])
+    llm = engine(model, process_group=group)
+    out = {"greedy": greedy(llm)}
+    out["clean"] = llm.shutdown().clean
+    total = torch.ones(1)
+    dist.all_reduce(total, group=group)  # the caller's group is still the caller's, and usable
+    out["group_sum"] = total.item()
+    dist.destroy_process_group()
+    return out
+
+
+def kill(model: str, rank: int) -> dict:
+    llm = engine(model)
+    greedy(llm)  # warm: both ranks up and in step
+    if rank == 1:
+        steps = 0
+        forward = llm.runner.forward_logits
+
+        def dying(*args, **kwargs):
+            nonlocal steps
+            steps += 1
+            if steps == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return forward(*args, **kwargs)
+
+        llm.runner.forward_logits = dying
+    start = time.monotonic()
+    out: dict = {}
+    try:
+        greedy(llm)
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - start
+    try:
+        greedy(llm)
+        out["again"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["again"] = type(exc).__name__
+    out["clean"] = llm.shutdown().clean
+    return out
+
+
+def diverge(model: str, rank: int) -> dict:
+    llm = engine(model)
+    try:
+        greedy(llm, PROMPTS[rank:rank + 1] * (rank + 1))
+        out = {"error": None}
+    except Exception as exc:  # noqa: BLE001
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    out["clean"] = llm.shutdown().clean
+    return out
+
+
+def bad_start(model: str, rank: int) -> dict:
+    try:
+        llm = engine(model, **({"max_model_len": 10**6} if rank == 1 else {}))
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    llm.shutdown()
+    return {"error": None}
+
+
+SCENARIOS = {"lifecycle": lifecycle, "greedy": lambda m, r: {"greedy": greedy(llm := engine(m)),
+                                                             "clean": llm.shutdown().clean},
+             "caller_group": caller_group, "kill": kill, "diverge": diverge, "bad_start": bad_start}
+
+if __name__ == "__main__":
+    scenario, model, out_dir = sys.argv[1:4]
+    rank = int(os.environ["RANK"])
+    result = SCENARIOS[scenario](model, rank)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
