@@ -13,7 +13,9 @@ engine. Scenarios:
 - ``caller_group``: as ``greedy`` on a group the caller built with torch.distributed.new_group.
 - ``kill``: rank 1 kills itself during its third step; rank 0 records the error and how long it took.
 - ``diverge``: the ranks pass different prompts.
-- ``bad_start``: rank 1 asks for a context its KV cache cannot hold.
+- ``bad_start``: rank 1 asks for a context the model does not have (fails before the KV agreement).
+- ``late_fail``: rank 1's KV cache allocation fails (simulated), after the ranks agreed on its size.
+- ``short_kv``: rank 0 plans too few KV blocks for rank 1's context: every rank refuses the agreed count.
 """
 
 from __future__ import annotations
@@ -139,18 +141,36 @@ def diverge(model: str, rank: int) -> dict:
     return out
 
 
-def bad_start(model: str, rank: int) -> dict:
+def bad_start(model: str, rank: int, options: dict | None = None) -> dict:
+    if options is None:
+        options = {"max_model_len": 10**6} if rank == 1 else {}
     try:
-        llm = engine(model, **({"max_model_len": 10**6} if rank == 1 else {}))
+        llm = engine(model, **options)
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}"}
     llm.shutdown()
     return {"error": None}
 
 
+def late_fail(model: str, rank: int) -> dict:
+    if rank == 1:
+        from tidyrun.runner import components
+
+        def no_memory(*args, **kwargs):
+            raise MemoryError("simulated: no memory for the KV cache")
+
+        components.KVCache = no_memory
+    return bad_start(model, rank, {})
+
+
+def short_kv(model: str, rank: int) -> dict:
+    return bad_start(model, rank, {"kv_cache_memory": 320 << 10} if rank == 0 else {"max_model_len": 512})
+
+
 SCENARIOS = {"lifecycle": lifecycle, "greedy": lambda m, r: {"greedy": greedy(llm := engine(m)),
                                                              "clean": llm.shutdown().clean},
-             "caller_group": caller_group, "kill": kill, "diverge": diverge, "bad_start": bad_start}
+             "caller_group": caller_group, "kill": kill, "diverge": diverge, "bad_start": bad_start,
+             "late_fail": late_fail, "short_kv": short_kv}
 
 if __name__ == "__main__":
     scenario, model, out_dir = sys.argv[1:4]

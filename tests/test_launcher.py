@@ -160,12 +160,54 @@ def test_ranks_making_different_calls_fail_instead_of_hanging(uneven_dir, tmp_pa
         assert "every rank must make the same calls" in r["error"] and r["clean"]
 
 
-def test_a_rank_that_fails_to_start_is_named_by_the_others(uneven_dir, tmp_path):
-    ranks, codes, logs = env_launch("bad_start", uneven_dir, tmp_path)
+@pytest.mark.parametrize("scenario, cause", [
+    ("bad_start", "InvalidRequestError: max_model_len=1000000 exceeds"),  # before the KV agreement
+    ("late_fail", "MemoryError: simulated: no memory for the KV cache"),  # after it, before the rendezvous
+])
+def test_a_rank_that_fails_to_start_is_named_by_the_others(uneven_dir, tmp_path, scenario, cause):
+    ranks, codes, logs = env_launch(scenario, uneven_dir, tmp_path)
     assert codes == [0, 0], "\n".join(logs)
-    assert ranks[1]["error"].startswith("InvalidRequestError: max_model_len=1000000 exceeds"), ranks[1]
-    assert ranks[0]["error"].startswith("WorkerError: tensor-parallel rank 1 failed to start: InvalidRequestError: "
-                                        "max_model_len=1000000"), ranks[0]
+    assert ranks[1]["error"].startswith(cause), ranks[1]
+    assert ranks[0]["error"].startswith(f"WorkerError: tensor-parallel rank 1 (launcher RANK 1) failed to start: "
+                                        f"{cause}"), ranks[0]
+
+
+def test_a_kv_cache_too_small_for_another_ranks_context_is_refused_on_every_rank(uneven_dir, tmp_path):
+    ranks, codes, logs = env_launch("short_kv", uneven_dir, tmp_path)
+    assert codes == [0, 0], "\n".join(logs)
+    assert ranks[0] == ranks[1], ranks
+    assert ranks[0]["error"].startswith("OutOfResourcesError: the tensor-parallel ranks agreed on 20 KV blocks "
+                                        "(320 tokens), fewer than one sequence of rank 1's max_model_len needs "
+                                        "(32 blocks)"), ranks[0]
+
+
+def test_a_rank_slice_is_taken_only_where_asked():
+    """A tensor shaped as this rank's slice loads only with full_only=False (weights pushed to a launched rank),
+    never from a checkpoint; a slice of transformers' stacked experts splits into this rank's gate and up."""
+    from tidyrun.loader.hf import config_from_hf
+    from tidyrun.model.registry import skeleton
+    from tidyrun.model.sharding import TPShard
+    from tidyrun.errors import ModelLoadError
+
+    dense = config_from_hf({"model_type": "llama", **UNEVEN}, "test")
+    model = skeleton(dense, TPShard.of(dense, 1, 2))
+    down = [("model.layers.0.mlp.down_proj.weight", torch.zeros(192, 150))]  # rank 1's 150 of 301 channels
+    with pytest.raises(ModelLoadError, match=r"has shape \(192, 150\), expected \(192, 301\)$"):
+        model.check_weights(down, require_all=False)
+    model.check_weights(down, require_all=False, full_only=False)
+    with pytest.raises(ModelLoadError, match=r"expected \(192, 301\) \(or this rank's slice, \(192, 150\)\)"):
+        model.check_weights([("model.layers.0.mlp.down_proj.weight", torch.zeros(192, 151))], False, False)
+
+    moe = config_from_hf({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 1,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                          "intermediate_size": 96, "moe_intermediate_size": 48, "num_experts": 4,
+                          "num_experts_per_tok": 2, "vocab_size": 128, "max_position_embeddings": 64}, "test")
+    model = skeleton(moe, TPShard.of(moe, 1, 2))
+    stacked = torch.arange(4 * 48 * 64, dtype=torch.float32).reshape(4, 48, 64)  # [E, gate 24 + up 24, H]
+    pairs = dict(model.checkpoint_names([("model.layers.0.mlp.experts.gate_up_proj", stacked)]))
+    gate, up = (pairs[f"model.layers.0.mlp.experts.2.{n}_proj.weight"] for n in ("gate", "up"))
+    assert torch.equal(gate, stacked[2, :24]) and torch.equal(up, stacked[2, 24:])
+    model.check_weights(pairs.items(), require_all=False, full_only=False)
 
 
 def test_spawned_ranks_refuse_a_rank_slice(uneven_dir):

@@ -26,7 +26,7 @@ import torch
 
 from .config import EngineConfig, SpeculativeConfig
 from .distributed.driver import TPDriverRunner
-from .distributed.external import Launch, LaunchedRankRunner
+from .distributed.external import LaunchedRankRunner, join_launch
 from .engine_args import CHECKED_APART, check_no_effect_options, engine_config
 from .errors import EngineShutdownError, InvalidRequestError
 from .intake import Prompt, PromptType, RequestIntake
@@ -258,20 +258,23 @@ class LLM:
         if process_group is not None and not launched:
             raise InvalidRequestError("process_group is the group of ranks an external launcher started: it needs "
                                       "tensor_parallel_size > 1 and distributed_executor_backend='external_launcher'")
-        if launched and process_group is None:
-            Launch.from_env()  # refuses a process no launcher started, before the model is opened
         self.config = config
         self._report: EngineShutdownReport | None = None
-        self.source = open_engine_source(config)
-        self.tokenizer = open_engine_tokenizer(config, self.source)
-        sampling_defaults = MappingProxyType(generation_defaults(self.source.path))  # checked before the runner
+        # Ranks a launcher started find each other before the model is opened: whatever fails on one rank
+        # from here on is told to the others instead of leaving them waiting.
+        rank = join_launch(config, process_group) if launched else None
         try:
-            if launched:
-                self.runner = LaunchedRankRunner(self.source, config, self.tokenizer.eos_token_ids, process_group)
+            self.source = open_engine_source(config)
+            self.tokenizer = open_engine_tokenizer(config, self.source)
+            sampling_defaults = MappingProxyType(generation_defaults(self.source.path))  # checked before the runner
+            if rank is not None:
+                self.runner = LaunchedRankRunner(self.source, rank, self.tokenizer.eos_token_ids)
             else:
                 runner_class = ModelRunner if config.tensor_parallel_size == 1 else TPDriverRunner
                 self.runner = runner_class(self.source, config, self.tokenizer.eos_token_ids)
         except BaseException as exc:
+            if rank is not None:
+                rank.fail(exc)
             drop_traceback_locals(exc)  # the runner already released what it took
             raise
         # Shut the runner down if this engine is garbage-collected or the interpreter exits first.

@@ -36,7 +36,7 @@ from ..runner.model_runner import ModelRunner, StepLogits, _name_tensor_pairs
 from ..runner.rpc import call_on_rank
 from .group import TPGroup
 from .pool import WorkerPool
-from .rank import COLLECTIVE_TIMEOUT_S, TPRank, check_rank_count
+from .rank import TPRank, check_rank_count, collective_timeout_s
 
 
 logger = logging.getLogger("tidyrun")
@@ -71,10 +71,11 @@ class TPDriverRunner(ModelRunner):
         check_tensor_parallel_size(world, source.config, device)
         self._failure: str | None = None
         self.worker_reports: list[ShutdownReport | None] = []
-        group = TPGroup(0, world, device, COLLECTIVE_TIMEOUT_S)
+        timeout_s = collective_timeout_s(launched=False)
+        group = TPGroup(0, world, device, timeout_s)
         configs = [dataclasses.replace(config, device=_rank_device(device, r)) for r in range(1, world)]
         try:
-            self.pool = WorkerPool(world, group.address, configs, eos_token_ids, COLLECTIVE_TIMEOUT_S)
+            self.pool = WorkerPool(world, group.address, configs, eos_token_ids, timeout_s)
         except BaseException:
             group.destroy()
             raise
@@ -205,7 +206,7 @@ class TPDriverRunner(ModelRunner):
         items = list(weights.items()) if hasattr(weights, "items") else list(_name_tensor_pairs(weights))
         refill = "weights" in self.sleeping
         try:
-            self.model.check_weights(items, require_all=refill, full_only=True)  # each rank takes its slice
+            self.model.check_weights(items, require_all=refill)  # full tensors only: each rank takes its slice
         except ModelLoadError as exc:
             raise InvalidRequestError(f"update_weights: {exc}") from exc
         if self.model.lm_head is None:  # tied head: the checkpoint's copy is skipped on every rank

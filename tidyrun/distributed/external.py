@@ -20,11 +20,18 @@ built outside torch.distributed's global state, so the default group stays
 the trainer's, untouched. A caller may instead pass a group it built
 (``process_group=torch.distributed.new_group(...)``).
 
-Failures: a rank that fails to start publishes why on the store before it
-raises, and the others, waiting to agree on the KV cache size, raise it
-naming that rank. A collective that fails mid-step (a peer died: gloo sees
-its connection close at once; NCCL waits for the collective timeout) stops
-this rank's engine; every later call raises WorkerError until it is shut down.
+Failures: a rank that fails to start posts why on the store before it
+raises (start-up goes in rounds: KV cache size, rendezvous, ready), and the
+others, waiting in that round, raise it naming that rank. A collective that
+fails mid-step stops this rank's engine; every later call raises WorkerError
+until it is shut down. Each step starts with a fingerprint of its inputs
+all-gathered over gloo on the host (on CUDA too), so a peer that died is
+seen at once, and a late one within the collective timeout (1800 s, or
+``TIDYRUN_COLLECTIVE_TIMEOUT_S``); a peer that dies inside an NCCL
+collective ends this process at that timeout (torch's NCCL watchdog).
+
+Without torchrun's agent, rank 0's engine hosts the store: build and shut
+down engines in step on every rank (as the calls must be anyway).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig
-from ..errors import InvalidRequestError, WorkerError
+from ..errors import InvalidRequestError, OutOfResourcesError, WorkerError
 from ..loader import ModelSource
 from ..model.sharding import TPShard
 from ..resources import drop_traceback_locals
@@ -46,7 +53,7 @@ from ..runner.input_batch import HostBatch
 from ..runner.model_runner import ModelRunner, StepLogits
 from ..runner.rpc import call_on_rank
 from .group import TPGroup
-from .rank import COLLECTIVE_TIMEOUT_S, TPRank, check_rank_count
+from .rank import TPRank, check_rank_count, collective_timeout_s
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -96,81 +103,149 @@ class Launch:
 
 
 def _launched_device(config: EngineConfig, local_rank: int | None) -> torch.device:
-    """The device named in the config; unnamed (or "cuda"), the launcher's GPU for this process (LOCAL_RANK)."""
+    """The device named in the config; unnamed (or "cuda"), the launcher's GPU for this process (LOCAL_RANK;
+    the one visible GPU when the launcher gives each process one)."""
     if config.device in (None, "cuda") and torch.cuda.is_available() and local_rank is not None:
-        if local_rank >= torch.cuda.device_count():
-            raise InvalidRequestError(f"LOCAL_RANK={local_rank}, but {torch.cuda.device_count()} GPUs are visible")
-        return torch.device("cuda", local_rank)
+        count = torch.cuda.device_count()
+        if local_rank >= count and count != 1:
+            raise InvalidRequestError(f"LOCAL_RANK={local_rank}, but {count} GPUs are visible")
+        return torch.device("cuda", local_rank if local_rank < count else 0)
     return resolve_device(config.device)
 
 
+def _agreed_blocks(votes: list[tuple[int, int]], block_size: int) -> int:
+    """The least block count of all ranks, checked against the longest sequence any rank planned for, so that
+    every rank accepts it or every rank refuses it with the same error."""
+    agreed = min(blocks for blocks, _ in votes)
+    rank, needed = max(enumerate(n for _, n in votes), key=lambda x: x[1])
+    if agreed < needed:
+        raise OutOfResourcesError(
+            f"the tensor-parallel ranks agreed on {agreed} KV blocks ({agreed * block_size} tokens), fewer than "
+            f"one sequence of rank {rank}'s max_model_len needs ({needed} blocks); another rank planned fewer "
+            "blocks (a smaller device): lower max_model_len or raise gpu_memory_utilization on every rank")
+    return agreed
+
+
 class StoreStartup:
-    """The ranks' agreement on the KV block count, over the store: each rank posts its count, or why it
-    failed to start; each then waits for every post (up to the timeout) and takes the least count."""
+    """Start-up over the store, in three rounds every rank posts to: "start" (its KV block count and the
+    blocks one sequence needs, once its weights are loaded; all ranks take the least count), "connect" (its
+    KV cache is allocated; next is the group's rendezvous) and "ready" (its runner is built). A rank that
+    fails posts why in the round it is in, and the others, waiting for every post (up to the timeout),
+    raise it naming that rank, so no rank waits in a rendezvous or a collective for one that will not come."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> None:
+    ROUNDS = ("start", "connect", "ready")
+
+    def __init__(self, store: dist.Store, rank: int, world: int, first_global: int | None,
+                 timeout: datetime.timedelta) -> None:
         self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
-        self.posted = False
+        self.first_global = first_global
+        self.round = 0  # the next round this rank posts to
 
-    def agree(self, local: int) -> int:
-        self.posted = True
-        self.store.set(f"start/{self.rank}", f"ok {local}")
-        counts = []
+    def _name(self, r: int) -> str:
+        return (f"tensor-parallel rank {r}" if self.first_global is None
+                else f"tensor-parallel rank {r} (launcher RANK {self.first_global + r})")
+
+    def _round(self, value: str) -> list[str]:
+        """Post ``value`` in this rank's next round, then every rank's post in it."""
+        name = self.ROUNDS[self.round]
+        self.round += 1
+        self.store.set(f"{name}/{self.rank}", f"ok {value}")
+        values = []
         for r in range(self.world):
-            key = f"start/{r}"
+            key = f"{name}/{r}"
             try:
                 self.store.wait([key], self.timeout)
-            except (RuntimeError, dist.DistError):
-                raise WorkerError(f"tensor-parallel rank {r} did not finish starting within "
-                                  f"{self.timeout.total_seconds():.0f} s (this is rank {self.rank})") from None
-            status, _, value = self.store.get(key).decode().partition(" ")
+                status, _, got = self.store.get(key).decode().partition(" ")
+            except (RuntimeError, dist.DistError) as exc:
+                raise WorkerError(f"{self._name(r)} did not finish starting within "
+                                  f"{self.timeout.total_seconds():.0f} s, or the launcher's store is gone "
+                                  f"({type(exc).__name__}); this is {self._name(self.rank)}") from None
             if status != "ok":
-                raise WorkerError(f"tensor-parallel rank {r} failed to start: {value}")
-            counts.append(int(value))
-        return min(counts)
+                raise WorkerError(f"{self._name(r)} failed to start: {got}")
+            values.append(got)
+        return values
+
+    def agree(self, local: int, needed: int, block_size: int) -> int:
+        votes = [tuple(int(x) for x in v.split()) for v in self._round(f"{local} {needed}")]
+        return _agreed_blocks(votes, block_size)
+
+    def connect(self) -> None:
+        self._round("")
+
+    def ready(self) -> None:
+        self._round("")
 
     def fail(self, why: str) -> None:
-        """Tell the other ranks this one will not start (unless it already agreed: then they have moved on)."""
-        if not self.posted:
-            self.posted = True
+        """Tell the other ranks, in the round they wait in, that this one will not start."""
+        if self.round < len(self.ROUNDS):
             try:
-                self.store.set(f"start/{self.rank}", f"error {why}")
+                self.store.set(f"{self.ROUNDS[self.round]}/{self.rank}", f"error {why}")
             except (RuntimeError, dist.DistError):  # the store is gone: the others time out instead
                 pass
+            self.round = len(self.ROUNDS)
 
 
 class GroupStartup:
-    """The same agreement over a caller's process group (which exists already): one all-gather of
-    (started, block count); a rank that failed to start joins it with its failure."""
+    """The same rounds over a caller's process group (which exists already), one all-gather of (started,
+    block count, blocks needed) each; a rank that failed joins the round it is in with its failure. Holds
+    the caller's group itself: the runner's TPGroup lets go of it when a failed start shuts the runner down."""
 
-    def __init__(self, group: TPGroup) -> None:
-        self.group = group
-        self.posted = False
+    ROUNDS = 3
 
-    def _vote(self, started: bool, local: int) -> list[list[int]]:
-        self.posted = True
-        return self.group.all_gather_ints([int(started), local])
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
+        self.pg, self.device = pg, device
+        self.round = 0
 
-    def agree(self, local: int) -> int:
-        votes = self._vote(True, local)
-        failed = [r for r, (started, _) in enumerate(votes) if not started]
-        if failed:
+    def _vote(self, ok: bool, blocks: int = 0, needed: int = 0) -> list[tuple[int, int]]:
+        self.round += 1
+        part = torch.tensor([int(ok), blocks, needed], dtype=torch.int64, device=self.device)
+        out = [[torch.empty_like(part) for _ in range(self.pg.size())]]
+        self.pg.allgather(out, [part]).wait()
+        votes = [o.tolist() for o in out[0]]
+        failed = [r for r, v in enumerate(votes) if not v[0]]
+        if ok and failed:
             raise WorkerError(f"tensor-parallel rank(s) {failed} of the caller's process group failed to start "
                               "(their own error says why)")
-        return min(count for _, count in votes)
+        return [(v[1], v[2]) for v in votes]
+
+    def agree(self, local: int, needed: int, block_size: int) -> int:
+        return _agreed_blocks(self._vote(True, local, needed), block_size)
+
+    def connect(self) -> None:
+        self._vote(True)
+
+    def ready(self) -> None:
+        self._vote(True)
 
     def fail(self, why: str) -> None:
-        if not self.posted:
+        if self.round < self.ROUNDS:
             try:
-                self._vote(False, 0)
+                self._vote(False)
             except RuntimeError:
                 pass
+            self.round = self.ROUNDS
 
 
-def launched_rank(config: EngineConfig, source: ModelSource, process_group=None):
-    """(this rank's config with its device, its TPRank, its start-up agreement) for a launched engine."""
+@dataclasses.dataclass(frozen=True)
+class LaunchedRank:
+    """This process's place in a launched engine, found before the model is opened (so that any failure
+    to start after it is told to the other ranks): its config (device set), its group (not connected yet)
+    and the start-up rounds."""
+
+    config: EngineConfig
+    group: TPGroup
+    startup: StoreStartup | GroupStartup
+
+    def fail(self, exc: BaseException) -> None:
+        self.startup.fail(f"{type(exc).__name__}: {exc}")
+        self.group.destroy()
+
+
+def join_launch(config: EngineConfig, process_group=None) -> LaunchedRank:
+    """Find this process's rank, device and group from the launcher's environment (or ``process_group``)."""
     world = config.tensor_parallel_size
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    timeout_s = collective_timeout_s(launched=True)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if process_group is not None:
         if not isinstance(process_group, dist.ProcessGroup):
             raise InvalidRequestError(f"process_group must be a torch.distributed ProcessGroup, got "
@@ -180,9 +255,8 @@ def launched_rank(config: EngineConfig, source: ModelSource, process_group=None)
                                       f"{world}: the group must hold exactly the ranks of this engine")
         local = os.environ.get("LOCAL_RANK")
         device = _launched_device(config, None if local is None else int(local))
-        group = TPGroup(process_group.rank(), world, device, COLLECTIVE_TIMEOUT_S, pg=process_group,
-                        every_rank_samples=True)
-        startup = GroupStartup(group)
+        group = TPGroup(process_group.rank(), world, device, timeout_s, pg=process_group, every_rank_samples=True)
+        startup = GroupStartup(process_group, device)
     else:
         launch = Launch.from_env()
         if launch.world % world:
@@ -190,14 +264,18 @@ def launched_rank(config: EngineConfig, source: ModelSource, process_group=None)
                                       f"{world} does not divide: each {world} consecutive ranks form one engine")
         device = _launched_device(config, launch.local_rank)
         store = launch.store(timeout)
-        # Keys of this engine only: the n-th engine this process builds meets the n-th of every other rank.
+        # Keys of this engine only: the n-th engine this process builds meets the n-th of every other rank
+        # (counted here, before anything that could fail on one rank only).
         generation = store.add(f"tidyrun/engines/rank{launch.rank}", 1)
-        store = dist.PrefixStore(f"tidyrun/engine{generation}/group{launch.rank // world}/", store)
-        group = TPGroup(launch.rank % world, world, device, COLLECTIVE_TIMEOUT_S, store=store,
-                        every_rank_samples=True)
-        startup = StoreStartup(store, group.rank, world, timeout)
-    config = dataclasses.replace(config, device=str(device))
-    return config, TPRank(TPShard.of(source.config, group.rank, world), group, startup.agree), startup
+        first = launch.rank - launch.rank % world
+        store = dist.PrefixStore(f"tidyrun/engine{generation}/ranks{first}-{first + world - 1}/", store)
+        group = TPGroup(launch.rank % world, world, device, timeout_s, store=store, every_rank_samples=True)
+        startup = StoreStartup(store, group.rank, world, first, timeout)
+    if device.type == "cuda":
+        # This process's kernels (Triton launches on the current device) run on its rank's GPU, as spawned
+        # workers' do; vLLM's external launcher sets it the same way.
+        torch.cuda.set_device(device)
+    return LaunchedRank(dataclasses.replace(config, device=str(device)), group, startup)
 
 
 class LaunchedRankRunner(ModelRunner):
@@ -206,19 +284,28 @@ class LaunchedRankRunner(ModelRunner):
     Owns device memory through its base (its slice of the weights and the KV
     cache, its own ledger) and its process group (unless the caller gave it).
     Sleep, wake_up, update_weights and reload_weights are the base's, run
-    by every rank itself when the user calls them on every rank.
+    by every rank itself when the user calls them on every rank; pushed
+    weights may be full tensors or this rank's slice of them.
     """
 
-    def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int],
-                 process_group=None) -> None:
+    accepts_rank_slices = True
+
+    def __init__(self, source: ModelSource, launched: LaunchedRank, eos_token_ids: frozenset[int]) -> None:
         self._failure: str | None = None
+        config, group = launched.config, launched.group
         check_rank_count(config.tensor_parallel_size, source.config)
-        config, tp, startup = launched_rank(config, source, process_group)
+        startup, block = launched.startup, config.cache.block_size
+
+        def agree(local: int) -> int:  # runs once the KV plan exists: it also says what one sequence needs
+            return startup.agree(local, -(-self.kv_plan.max_model_len // block), block)
+
+        tp = TPRank(TPShard.of(source.config, group.rank, group.world), group, agree, startup.connect)
+        super().__init__(source, config, eos_token_ids, tp=tp)  # a failure here: the engine tells the others
         try:
-            super().__init__(source, config, eos_token_ids, tp=tp)
-        except BaseException as exc:
-            startup.fail(f"{type(exc).__name__}: {exc}")
-            tp.group.destroy()
+            launched.startup.ready()
+        except BaseException as exc:  # another rank failed after the block agreement: give back what we took
+            drop_traceback_locals(exc)
+            self.shutdown()
             raise
 
     def _check_usable(self) -> None:
@@ -235,17 +322,19 @@ class LaunchedRankRunner(ModelRunner):
         self._failure = why
         self.tp_group.abort()
         self.tp_group.destroy()
-        return WorkerError(f"tensor-parallel rank {self.shard.rank} of {self.shard.world} stopped: {why}")
+        also = "" if self.tp_group.owns_pg else "; the process_group you gave may be out of step too: rebuild it"
+        return WorkerError(f"tensor-parallel rank {self.shard.rank} of {self.shard.world} stopped: {why}{also}")
 
-    def _check_same_step(self, host: HostBatch) -> None:
+    def _check_same_step(self, host: HostBatch, all_rows: bool) -> None:
         """All ranks must run the same batch (the same calls in the same order); compare a fingerprint."""
         mine = [len(host.input_ids), hash((tuple(host.input_ids), tuple(host.positions), tuple(host.slots),
-                                           tuple(host.logits_indices)))]
+                                           tuple(host.logits_indices), tuple(host.seq_lens),
+                                           tuple(host.query_lens), tuple(map(tuple, host.tables)), all_rows))]
         every = self.tp_group.all_gather_ints(mine)
         if any(v != mine for v in every):
             sizes = [v[0] for v in every]
             what = (", ".join(f"rank {r}: {n} tokens" for r, n in enumerate(sizes)) if len(set(sizes)) > 1
-                    else f"{sizes[0]} tokens on every rank, but not the same tokens or positions")
+                    else f"{sizes[0]} tokens on every rank, but not the same tokens, positions or rows")
             raise self._stop(
                 f"the ranks' steps differ ({what}): every rank must make the same calls (generate() with the same "
                 "prompts and sampling params, sleep, wake_up, ...) in the same order")
@@ -255,14 +344,14 @@ class LaunchedRankRunner(ModelRunner):
                        all_rows: bool = False) -> StepLogits | None:
         self.check_awake()
         try:
-            self._check_same_step(host)
+            self._check_same_step(host, all_rows)
             return super().forward_logits(host, graph, all_rows)
         except WorkerError:
             raise
         except Exception as exc:
             drop_traceback_locals(exc)  # the step's activations and the KV cache must not live on in it
-            raise self._stop(f"a step failed ({type(exc).__name__}: {exc}); a peer rank died or left, "
-                             "and the ranks are out of step") from exc
+            raise self._stop(f"a step failed ({type(exc).__name__}: {exc}); the ranks are out of step (a peer "
+                             "rank died or left, or this rank failed)") from exc
         except BaseException as exc:  # Ctrl-C mid-step: the ranks are out of step, but the interrupt stays one
             drop_traceback_locals(exc)
             self._stop(f"interrupted mid-step ({type(exc).__name__})")

@@ -52,6 +52,7 @@ class TPGroup:
         self.every_rank_samples = every_rank_samples
         self.owns_pg = pg is None
         self.pg: dist.ProcessGroup | None = pg
+        self.control: dist.ProcessGroup | None = None  # launched NCCL ranks: a gloo group for host-side checks
         self.store: dist.Store | None = store
         self.address = address
         if pg is not None or store is not None:
@@ -77,6 +78,12 @@ class TPGroup:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.world, options)
+            if self.every_rank_samples:
+                # Each step's fingerprint goes over gloo on the host first: NCCL work starts only once every
+                # rank is in the step, and a rank that is late or gone fails it with an error, where a waiting
+                # NCCL collective would end the process at its timeout.
+                self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", self.store), self.rank,
+                                                     self.world, self.timeout)
         elif self.address is None:  # launched ranks, maybe on several hosts: this host's interface (as
             # torch.distributed picks it: GLOO_SOCKET_IFNAME, else the host name's address)
             self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, self.timeout)
@@ -125,10 +132,11 @@ class TPGroup:
         return torch.cat([o[..., :n] for o, n in zip(out[0], sizes)], dim=-1)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every rank's ``values`` (the same count on each), by rank."""
-        part = torch.tensor(values, dtype=torch.int64, device=self.device)
+        """Every rank's ``values`` (the same count on each), by rank (over the host's gloo group if there is one)."""
+        group = self.control or self._group()
+        part = torch.tensor(values, dtype=torch.int64, device="cpu" if self.control is not None else self.device)
         out = [[torch.empty_like(part) for _ in range(self.world)]]
-        self._group().allgather(out, [part]).wait()
+        group.allgather(out, [part]).wait()
         return [o.tolist() for o in out[0]]
 
     def abort(self) -> None:
@@ -145,11 +153,13 @@ class TPGroup:
     def destroy(self) -> None:
         """Shut the group down (a caller's group is only let go) and drop it and the store; idempotent, never
         raises (it runs in shutdown paths)."""
-        pg, self.pg = self.pg, None
-        if pg is not None and self.owns_pg:
-            try:
-                pg.shutdown()
-            except RuntimeError:  # a group whose peer died may refuse an orderly shutdown; dropping it still frees it
-                pass
-        del pg
+        groups = [self.control, self.pg] if self.owns_pg else []
+        self.pg = self.control = None
+        for pg in groups:
+            if pg is not None:
+                try:
+                    pg.shutdown()
+                except RuntimeError:  # a group whose peer died may refuse an orderly shutdown; dropping it frees it
+                    pass
+        del groups
         self.store = None

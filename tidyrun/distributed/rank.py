@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,8 +11,26 @@ from ..errors import InvalidRequestError
 from ..model.sharding import TPShard
 from .group import TPGroup
 
-# A collective, a rendezvous or the start-up agreement that waits longer fails instead of hanging.
-COLLECTIVE_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "TIDYRUN_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout_s(launched: bool) -> float:
+    """How long a collective, the rendezvous or a start-up round may wait before it fails instead of hanging.
+
+    Spawned ranks: 300 s (a worker that stops answering is found sooner by its pipe and process). Ranks a
+    launcher started: 1800 s, torch's own default for a gloo group, since a trainer's ranks may reach the
+    next generate() minutes apart (evaluation, checkpointing). ``TIDYRUN_COLLECTIVE_TIMEOUT_S`` sets both.
+    """
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return 1800.0 if launched else 300.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise InvalidRequestError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {value!r}")
+    return seconds
 
 
 def check_rank_count(world: int, cfg: ModelConfig) -> None:
@@ -33,8 +52,14 @@ class TPRank:
     its weights, before the group is connected (over the driver's pipes, or
     the launcher's store), so a rank that failed to start is reported by
     name instead of timing a collective out.
+
+    ``before_connect`` (ranks a launcher started) runs just before the group
+    is connected: every rank tells the others it got that far, so a rank
+    that failed to allocate its KV cache is named instead of being waited
+    for in the rendezvous.
     """
 
     shard: TPShard
     group: TPGroup
     agree_num_blocks: Callable[[int], int]
+    before_connect: Callable[[], None] | None = None

@@ -339,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
         return iter(weights)
 
     def _target(self, shards: dict[str, tuple[WeightShard, ...]], name: str, tensor: torch.Tensor,
-                full_only: bool = False) -> tuple[WeightShard, ...]:
+                full_only: bool = True) -> tuple[WeightShard, ...]:
         """Where ``name`` goes (its pieces), after checking its shape and dtype: the checkpoint's full shape,
         or (unless ``full_only``) this tensor-parallel rank's own slice of it."""
         if not isinstance(tensor, torch.Tensor):
@@ -365,9 +365,9 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
 
     def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True,
-                      full_only: bool = False) -> None:
+                      full_only: bool = True) -> None:
         """Validate names, shapes and dtypes without copying anything (for all-or-nothing updates);
-        ``full_only`` refuses a rank's slice (a driver sends full tensors to every rank)."""
+        ``full_only=False`` also takes this rank's slice of a split tensor (pushed to a launched rank)."""
         shards = self.weight_shards()
         names = set()
         for name, tensor in self.checkpoint_names(weights):
@@ -379,11 +379,13 @@ class LlamaForCausalLM(nn.Module):
             self._check_complete(shards, names)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True,
+                     full_only: bool = True) -> set[str]:
         """Copy HF-named tensors (this rank's slice of each) into the (fused) parameters; returns the names loaded.
 
         Unknown names, shape mismatches and (with ``require_all``) missing names
-        raise ModelLoadError naming the tensor. Parameters must be placed
+        raise ModelLoadError naming the tensor. A checkpoint's tensors must
+        have their full shapes; ``full_only=False`` also takes a rank's slice. Parameters must be placed
         (materialized) first.
         """
         shards = self.weight_shards()
@@ -391,7 +393,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in self.checkpoint_names(weights):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied head: some checkpoints store the copy anyway
-            for shard in self._target(shards, name, tensor):
+            for shard in self._target(shards, name, tensor, full_only):
                 shard.copy_(tensor)
             loaded.add(name)
         if require_all:

@@ -125,8 +125,9 @@ class MoEForCausalLM(LlamaForCausalLM):
                     pre = f"{layer}.{block}.experts.{e}."
                     if rest == "experts.down_proj":
                         yield pre + f"{names[2]}.weight", part
-                    else:
-                        yield pre + f"{names[0]}.weight", part[:inter]
-                        yield pre + f"{names[1]}.weight", part[inter:]
+                    else:  # [gate; up] halves, whole or a rank's slice of each
+                        half = part.shape[0] // 2
+                        yield pre + f"{names[0]}.weight", part[:half]
+                        yield pre + f"{names[1]}.weight", part[half:]
             else:
                 yield name, tensor

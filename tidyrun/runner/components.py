@@ -51,8 +51,11 @@ class Weights(Component):
     owner, tag = "weights", WEIGHTS
 
     def __init__(self, build_model: Callable[[], LlamaForCausalLM], source, device: torch.device, dtype: torch.dtype,
-                 ledger: ResourceLedger) -> None:
+                 ledger: ResourceLedger, accepts_rank_slices: bool = False) -> None:
         self._build_model, self._source = build_model, source
+        # Pushed tensors may be this rank's slice (a launched rank's caller may hold only its shard); the
+        # checkpoint's must have their full shapes.
+        self._pushed_full_only = not accepts_rank_slices
         self.device, self.dtype, self._ledger = device, dtype, ledger
         self.model: LlamaForCausalLM | None = None
         self.arena: WeightArena | None = None
@@ -67,9 +70,9 @@ class Weights(Component):
         self.arena.materialize()
         self._fill(self._source.iter_weights())
 
-    def _fill(self, weights) -> None:
+    def _fill(self, weights, full_only: bool = True) -> None:
         """Load every weight (a missing one raises ModelLoadError); only then is none missing."""
-        self.loaded = len(self.model.load_weights(weights))
+        self.loaded = len(self.model.load_weights(weights, full_only=full_only))
         self.missing = frozenset()
 
     def load(self, weights, require_all: bool = False) -> int:
@@ -79,7 +82,7 @@ class Weights(Component):
         tensors copied before the failure count as still missing (they are
         not known here): push them again.
         """
-        loaded = self.model.load_weights(weights, require_all=require_all)
+        loaded = self.model.load_weights(weights, require_all=require_all, full_only=self._pushed_full_only)
         self.missing -= loaded
         return len(loaded)
 
@@ -95,7 +98,7 @@ class Weights(Component):
     def wake(self, t: Transition) -> None:
         self.arena.materialize()
         if t.level == 2 and t.weights is not None:
-            self._fill(t.weights)
+            self._fill(t.weights, self._pushed_full_only)
 
     def unwake(self, t: Transition) -> None:
         self.arena.release()
@@ -222,14 +225,21 @@ class ProcessGroupRow(Component):
 
     owner, tag = "process_group", None
 
-    def __init__(self, group, rank: int, device: torch.device, ledger: ResourceLedger) -> None:
+    def __init__(self, group, rank: int, device: torch.device, ledger: ResourceLedger,
+                 before_connect: Callable[[], None] | None = None) -> None:
         self._group, self._rank, self._device, self._ledger = group, rank, device, ledger
+        self._before_connect = before_connect
 
     def acquire(self) -> None:
+        if self._before_connect is not None:
+            self._before_connect()
         self._group.connect()
         if self._group.owns_pg:
             self._ledger.track(self.owner, f"tp_group.rank{self._rank}", self._group.pg, nbytes=0,
                                device=str(self._device))
+        if self._group.control is not None:
+            self._ledger.track(self.owner, f"tp_group.rank{self._rank}.control", self._group.control, nbytes=0,
+                               device="cpu")
 
     def release(self) -> None:
         self._group.destroy()

@@ -78,6 +78,8 @@ class StepLogits(NamedTuple):
 
 
 class ModelRunner:
+    accepts_rank_slices = False  # pushed weights must be full tensors (a launched rank also takes its slice)
+
     def __init__(self, source: ModelSource, config: EngineConfig, eos_token_ids: frozenset[int], tp=None) -> None:
         """``tp``: a ``distributed.rank.TPRank`` (its shard, group and block-count agreement) or None."""
         self.ledger = ResourceLedger()
@@ -115,13 +117,14 @@ class ModelRunner:
     def _components(self, tp) -> list[Component]:
         """The lifecycle table: every owner of device or pinned host memory, in acquisition order."""
         mc, cfg = self.model_config, self.config
-        self.weights = Weights(self._build_model, self.source, self.device, self.dtype, self.ledger)
+        self.weights = Weights(self._build_model, self.source, self.device, self.dtype, self.ledger,
+                               self.accepts_rank_slices)
         self.host_weights = HostWeights(self.weights, cfg.keep_host_buffers, self.ledger)
         self.kv = KVCacheRow(self.kv_plan, (mc.num_layers, self.block_size, self.shard.num_kv_heads, mc.head_dim),
                              self.dtype, self.device, self.ledger, tp.agree_num_blocks if tp is not None else None)
         table: list[Component] = [self.weights, self.host_weights, Rope(self.weights, self.ledger), self.kv]
         if tp is not None:
-            table.append(ProcessGroupRow(tp.group, self.shard.rank, self.device, self.ledger))
+            table.append(ProcessGroupRow(tp.group, self.shard.rank, self.device, self.ledger, tp.before_connect))
         self.step_inputs = self.cuda_graphs = None
         if isinstance(self.ops, TritonOps):
             self.step_inputs = StepInputsRow(self._make_step_inputs)
@@ -338,7 +341,7 @@ class ModelRunner:
         items = weights.items() if hasattr(weights, "items") else _name_tensor_pairs(weights)
         try:
             if hasattr(weights, "items"):
-                self.model.check_weights(items, require_all=refill)
+                self.model.check_weights(items, require_all=refill, full_only=not self.accepts_rank_slices)
             if refill:
                 self._wake([WEIGHTS], items)
                 count = self.weights.loaded
