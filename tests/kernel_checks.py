@@ -90,10 +90,12 @@ def _run_attention(device, dtype, q, k_cache, v_cache, tables, blocks_per_seq, q
 
 
 def check_attention_invariance(device, dtype, heads=9, kv_heads=3, head_dim=64, block_size=16, length=300,
-                               windows=(None, 37), seed=0):
+                               windows=(None, 37), seed=0, atol=0.0):
     """With batch-invariant tiles, a token decoded alone (one query, its keys in the cache) gets the bits it
     gets as one row of a prefill over the whole sequence: what makes greedy output batched equal alone and
-    speculation on equal off."""
+    speculation on equal off. ``atol``: under Triton's interpreter, whose dots are numpy's and round a row
+    differently with other rows beside it (1 ulp, depending on the machine's BLAS), the same keys and masks
+    are checked to a tolerance; on the GPU the bits (``atol=0``)."""
     from tidyrun.kernels.attention import paged_attention
 
     g = torch.Generator().manual_seed(seed)
@@ -115,7 +117,8 @@ def check_attention_invariance(device, dtype, heads=9, kv_heads=3, head_dim=64, 
             paged_attention(q[pos:pos + 1], k_cache, v_cache, one, i32([0]), i32([0]), i32([0, 1]), i32([pos + 1]),
                             table, head_dim ** -0.5, *tile_shape(heads // kv_heads, 1, batch_invariant=True), 1,
                             window)
-            assert torch.equal(one[0], full[pos]), f"position {pos}, window {window}: decode differs from prefill"
+            diff = (one[0] - full[pos]).abs().max().item()
+            assert diff <= atol, f"position {pos}, window {window}: decode differs from prefill by {diff}"
 
 
 def check_padding_rows(device, dtype, splits=1):
@@ -206,13 +209,22 @@ FUSED_SHAPES = ((1, 64, 4, 2, 16), (5, 96, 9, 3, 64), (17, 256, 4, 4, 32), (3, 1
 LINEAR_SHAPES = ((1, 48, 96), (3, 40, 600), (16, 64, 512), (5, 34, 1000), (40, 72, 320))
 
 
-def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (32, 64, 4, 2))):
+def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    """Bit-equal (``exact``), or within float32 rounding of the larger values (under Triton's interpreter,
+    whose dots are numpy's: how it rounds a row can depend on the rows beside it and the tile, by machine)."""
+    if exact:
+        return torch.equal(a, b)
+    return a.shape == b.shape and (a.double() - b.double()).abs().max().item() <= 1e-6 * max(1.0, b.abs().max().item())
+
+
+def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (32, 64, 4, 2)), exact=True):
     """kernels.linear against float64 torch (with and without bias, every plan (block_n, block_k, split,
     stages), the gated SiLU-mul epilogue), and its invariance: every row's bits equal the row computed
     alone, few-row (split over programs, finished in-kernel or by the reduce kernel) or many-row (every
     ``tiles`` entry), so a row's result never depends on what else is in the batch. Then argmax_rows.
-    Triton's interpreter computes a dot with numpy, whose order depends on BLOCK_K: there, plans take
-    the many-row launch's BLOCK_K (64); on the GPU any BLOCK_K dividing k_seg gives the same bits."""
+    Triton's interpreter computes a dot with numpy, whose order depends on BLOCK_K (and, with some BLAS
+    builds, on the tile's rows): there, plans take the many-row launch's BLOCK_K (64) and ``exact=False``
+    compares within rounding; on the GPU any BLOCK_K dividing k_seg gives the same bits."""
     from tidyrun.kernels.argmax import argmax_logprob_rows, argmax_rows
     from tidyrun.kernels.fused import silu_mul
     from tidyrun.kernels.linear import FEW_ROWS, LinearPlan, ManyRowTile, linear
@@ -236,13 +248,13 @@ def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (3
                 assert out.dtype == dtype and err <= rtol * ref.abs().max().item(), f"{label}: {err}"
                 some = sorted({0, rows // 2, rows - 1})  # rows alone (every row: slow under the interpreter)
                 alone = torch.cat([linear(xd[i:i + 1], wd, bd, plan) for i in some])
-                assert torch.equal(out[some], alone), f"{label}: a row's bits depend on the batch"
+                assert _same(out[some], alone, exact), f"{label}: a row's bits depend on the batch"
                 if rows <= FEW_ROWS:
-                    assert torch.equal(linear(xd, wd, bd, plan, counters), out), f"{label}: in-kernel finish"
+                    assert _same(linear(xd, wd, bd, plan, counters), out, exact), f"{label}: in-kernel finish"
                     assert not counters.any(), f"{label}: counters left armed"
                 for tile in tiles:
                     many = linear(xd, wd, bd, plan, tile=ManyRowTile(*tile), split_grid=False)
-                    assert torch.equal(many, out), f"{label}: many-row tile {tile} differs from few-row"
+                    assert _same(many, out, exact), f"{label}: many-row tile {tile} differs from few-row"
             if n % 2 == 0:
                 step = min(block_k, 128)  # a gated launch loads two weight tiles: 128 keeps it in shared memory
                 one = plan._replace(block_k=step, k_seg=-(-k // step) * step)
@@ -251,7 +263,7 @@ def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (3
                 err = (gated.double() - ref.double()).abs().max().item()
                 assert err <= 2 * rtol * ref.abs().max().item(), f"gated {rows}x{n}x{k} {one}: {err}"
                 alone = torch.cat([linear(xd[i:i + 1], wd, None, one, gated=True) for i in some])
-                assert torch.equal(gated[some], alone), f"gated {rows}x{n}x{k} {one}: a row's bits depend on the batch"
+                assert _same(gated[some], alone, exact), f"gated {rows}x{n}x{k} {one}: a row's bits depend on the batch"
     x = torch.randn(3, 10000, generator=g)
     x[1, 5000] = x[1, 9000] = 100.0  # a tie: the first index wins, as in torch.argmax
     x[2] = 0.0

@@ -1,6 +1,6 @@
 """One rank of an engine started by an external launcher (torchrun, or the tests' own env-variable launch).
 
-    python tests/launched_rank.py SCENARIO MODEL OUT_DIR
+    python tests/launched_rank.py SCENARIO MODEL OUT_DIR      (LAUNCHED_DEVICE=cuda: on the launcher's GPUs)
 
 Run by tests/test_launcher.py in every process of a launch; writes what it
 saw to OUT_DIR/rank{RANK}.json for the test to compare against a one-process
@@ -50,6 +50,8 @@ def greedy(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
 def engine(model: str, **kw) -> LLM:
     options = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
                    tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    if os.environ.get("LAUNCHED_DEVICE") == "cuda":  # tests/test_gpu_launcher.py: each rank on cuda:LOCAL_RANK
+        options.update(device=None, kernels="torch")
     return LLM(model, **(options | kw))
 
 

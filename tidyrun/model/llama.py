@@ -16,8 +16,8 @@ down_proj row-parallel (followed by an all-reduce), gate/up column-parallel by
 intermediate channel, embedding and LM head vocabulary-parallel (logits are
 gathered on rank 0, or on every rank when each samples for itself).
 Checkpoint tensors stay full-sized; each rank copies its slice of them (or
-takes a tensor that already is its slice, as a launched rank may be given). With ``world == 1`` no collective runs and every slice is
-the whole tensor.
+takes a tensor that already is its slice, as a launched rank may be given).
+With ``world == 1`` no collective runs and every slice is the whole tensor.
 """
 
 from __future__ import annotations
