@@ -10,7 +10,8 @@ engine. Scenarios:
   collective_rpc("reload_weights"), wake_up(["kv_cache"]); after update_weights with a full tensor and a
   rank's own slice of another; a seeded sampled output; shutdown; the trainer's default group afterwards.
 - ``greedy``: greedy outputs and shutdown.
-- ``caller_group``: as ``greedy`` on a group the caller built with torch.distributed.new_group.
+- ``caller_group``: as ``greedy`` on a group the caller built with torch.distributed.new_group;
+  ``caller_group_bad_start``: there, rank 1 fails to start.
 - ``kill``: rank 1 kills itself during its third step; rank 0 records the error and how long it took.
 - ``diverge``: the ranks pass different prompts.
 - ``bad_start``: rank 1 asks for a context the model does not have (fails before the KV agreement).
@@ -100,6 +101,17 @@ def caller_group(model: str, rank: int) -> dict:
     return out
 
 
+def caller_group_bad_start(model: str, rank: int) -> dict:
+    dist.init_process_group("gloo")
+    group = dist.new_group([0, 1])
+    out = bad_start(model, rank, {"process_group": group, **({"max_model_len": 10**6} if rank == 1 else {})})
+    total = torch.ones(1)
+    dist.all_reduce(total, group=group)  # every rank left start-up having joined the same collectives
+    out["group_sum"] = total.item()
+    dist.destroy_process_group()
+    return out
+
+
 def kill(model: str, rank: int) -> dict:
     llm = engine(model)
     greedy(llm)  # warm: both ranks up and in step
@@ -172,7 +184,7 @@ def short_kv(model: str, rank: int) -> dict:
 SCENARIOS = {"lifecycle": lifecycle, "greedy": lambda m, r: {"greedy": greedy(llm := engine(m)),
                                                              "clean": llm.shutdown().clean},
              "caller_group": caller_group, "kill": kill, "diverge": diverge, "bad_start": bad_start,
-             "late_fail": late_fail, "short_kv": short_kv}
+             "late_fail": late_fail, "short_kv": short_kv, "caller_group_bad_start": caller_group_bad_start}
 
 if __name__ == "__main__":
     scenario, model, out_dir = sys.argv[1:4]

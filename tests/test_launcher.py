@@ -135,6 +135,15 @@ def test_a_caller_given_group_runs_the_engine_and_stays_the_callers(uneven_dir, 
     assert all(r["clean"] and r["group_sum"] == 2.0 for r in ranks)
 
 
+def test_a_rank_failing_to_start_on_a_caller_given_group_leaves_the_group_in_step(uneven_dir, tmp_path):
+    ranks, codes, logs = env_launch("caller_group_bad_start", uneven_dir, tmp_path)
+    assert codes == [0, 0], "\n".join(logs)
+    assert ranks[1]["error"].startswith("InvalidRequestError: max_model_len=1000000 exceeds"), ranks[1]
+    assert ranks[0]["error"].startswith("WorkerError: tensor-parallel rank(s) [1] of the caller's process group "
+                                        "failed to start"), ranks[0]
+    assert ranks[0]["group_sum"] == ranks[1]["group_sum"] == 2.0  # no vote left hanging on the caller's group
+
+
 def test_four_processes_form_two_engines_of_two_ranks(uneven_dir, tmp_path):
     """WORLD_SIZE=4 with tensor_parallel_size=2: ranks {0, 1} and {2, 3} each form an engine (data parallelism
     over tensor-parallel engines, as a trainer with 4 GPUs and TP 2 runs), on one store, without crossing."""

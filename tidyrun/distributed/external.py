@@ -135,15 +135,14 @@ class StoreStartup:
 
     ROUNDS = ("start", "connect", "ready")
 
-    def __init__(self, store: dist.Store, rank: int, world: int, first_global: int | None,
+    def __init__(self, store: dist.Store, rank: int, world: int, first_global: int,
                  timeout: datetime.timedelta) -> None:
         self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
-        self.first_global = first_global
+        self.first_global = first_global  # the launcher's RANK of this engine's rank 0
         self.round = 0  # the next round this rank posts to
 
     def _name(self, r: int) -> str:
-        return (f"tensor-parallel rank {r}" if self.first_global is None
-                else f"tensor-parallel rank {r} (launcher RANK {self.first_global + r})")
+        return f"tensor-parallel rank {r} (launcher RANK {self.first_global + r})"
 
     def _round(self, value: str) -> list[str]:
         """Post ``value`` in this rank's next round, then every rank's post in it."""
@@ -203,13 +202,20 @@ class GroupStartup:
         self.pg.allgather(out, [part]).wait()
         votes = [o.tolist() for o in out[0]]
         failed = [r for r, v in enumerate(votes) if not v[0]]
-        if ok and failed:
-            raise WorkerError(f"tensor-parallel rank(s) {failed} of the caller's process group failed to start "
-                              "(their own error says why)")
+        if failed:
+            self.round = self.ROUNDS  # every rank saw it: nobody votes again (a vote nobody joins would hang)
+            if ok:
+                raise WorkerError(f"tensor-parallel rank(s) {failed} of the caller's process group failed to "
+                                  "start (their own error says why)")
         return [(v[1], v[2]) for v in votes]
 
     def agree(self, local: int, needed: int, block_size: int) -> int:
-        return _agreed_blocks(self._vote(True, local, needed), block_size)
+        votes = self._vote(True, local, needed)
+        try:
+            return _agreed_blocks(votes, block_size)
+        except OutOfResourcesError:
+            self.round = self.ROUNDS  # refused alike on every rank
+            raise
 
     def connect(self) -> None:
         self._vote(True)
