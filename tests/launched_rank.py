@@ -88,28 +88,30 @@ def lifecycle(model: str, rank: int) -> dict:
     return out
 
 
-def caller_group(model: str, rank: int) -> dict:
+def on_caller_group(run) -> dict:
+    """``run(group)`` on a group the caller built; then the group must still be usable, and every rank must have
+    joined the same collectives on it (a rank left waiting in one would hang this all-reduce)."""
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
-    llm = engine(model, process_group=group)
-    out = {"greedy": greedy(llm)}
-    out["clean"] = llm.shutdown().clean
+    out = run(group)
     total = torch.ones(1)
-    dist.all_reduce(total, group=group)  # the caller's group is still the caller's, and usable
+    dist.all_reduce(total, group=group)
     out["group_sum"] = total.item()
     dist.destroy_process_group()
     return out
+
+
+def caller_group(model: str, rank: int) -> dict:
+    def run(group) -> dict:
+        llm = engine(model, process_group=group)
+        return {"greedy": greedy(llm), "clean": llm.shutdown().clean}
+
+    return on_caller_group(run)
 
 
 def caller_group_bad_start(model: str, rank: int) -> dict:
-    dist.init_process_group("gloo")
-    group = dist.new_group([0, 1])
-    out = bad_start(model, rank, {"process_group": group, **({"max_model_len": 10**6} if rank == 1 else {})})
-    total = torch.ones(1)
-    dist.all_reduce(total, group=group)  # every rank left start-up having joined the same collectives
-    out["group_sum"] = total.item()
-    dist.destroy_process_group()
-    return out
+    return on_caller_group(lambda group: bad_start(
+        model, rank, {"process_group": group, **({"max_model_len": 10**6} if rank == 1 else {})}))
 
 
 def kill(model: str, rank: int) -> dict:
