@@ -52,7 +52,7 @@ from ..runner.device import resolve_device
 from ..runner.input_batch import HostBatch
 from ..runner.model_runner import ModelRunner, StepLogits
 from ..runner.rpc import call_on_rank
-from .group import TPGroup
+from .group import TPGroup, all_gather_ints
 from .rank import TPRank, check_rank_count, collective_timeout_s
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -197,10 +197,7 @@ class GroupStartup:
 
     def _vote(self, ok: bool, blocks: int = 0, needed: int = 0) -> list[tuple[int, int]]:
         self.round += 1
-        part = torch.tensor([int(ok), blocks, needed], dtype=torch.int64, device=self.device)
-        out = [[torch.empty_like(part) for _ in range(self.pg.size())]]
-        self.pg.allgather(out, [part]).wait()
-        votes = [o.tolist() for o in out[0]]
+        votes = all_gather_ints(self.pg, [int(ok), blocks, needed], self.device)
         failed = [r for r, v in enumerate(votes) if not v[0]]
         if failed:
             self.round = self.ROUNDS  # every rank saw it: nobody votes again (a vote nobody joins would hang)

@@ -133,11 +133,9 @@ class TPGroup:
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same count on each), by rank (over the host's gloo group if there is one)."""
-        group = self.control or self._group()
-        part = torch.tensor(values, dtype=torch.int64, device="cpu" if self.control is not None else self.device)
-        out = [[torch.empty_like(part) for _ in range(self.world)]]
-        group.allgather(out, [part]).wait()
-        return [o.tolist() for o in out[0]]
+        if self.control is not None:
+            return all_gather_ints(self.control, values, torch.device("cpu"))
+        return all_gather_ints(self._group(), values, self.device)
 
     def abort(self) -> None:
         """Fail the collectives in flight now (a peer died; called from the pool's watcher thread).
@@ -163,3 +161,12 @@ class TPGroup:
                     pass
         del groups
         self.store = None
+
+
+def all_gather_ints(pg: dist.ProcessGroup, values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each) over ``pg``, by rank; ``device``: where ``pg``'s
+    backend takes its tensors."""
+    part = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [[torch.empty_like(part) for _ in range(pg.size())]]
+    pg.allgather(out, [part]).wait()
+    return [o.tolist() for o in out[0]]
