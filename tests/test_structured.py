@@ -9,6 +9,7 @@ and a hand-written schema check).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -110,8 +111,15 @@ WALKS = [
 ]
 
 
-@pytest.mark.parametrize("name,spec,valid,walks,cap", WALKS, ids=[w[0] for w in WALKS])
-def test_random_walks_satisfy_the_constraint(compiler, tokenizer, name, spec, valid, walks, cap):
+# Each walk under the engine's choice ("auto": xgrammar except Lark) and under each library it may take.
+BACKEND_WALKS = [(backend, *w) for w in WALKS for backend in ("auto", "guidance", "xgrammar")
+                 if not (backend == "xgrammar" and w[0] == "lark")]
+
+
+@pytest.mark.parametrize("backend,name,spec,valid,walks,cap", BACKEND_WALKS,
+                         ids=[f"{w[1]}-{w[0]}" for w in BACKEND_WALKS])
+def test_random_walks_satisfy_the_constraint(compiler, tokenizer, backend, name, spec, valid, walks, cap):
+    spec = dataclasses.replace(spec, backend=backend)
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     for i in range(walks):
         ids, ended = walk(compiler, spec, gen, cap)
@@ -147,8 +155,9 @@ def test_compact_and_flexible_json_whitespace(compiler, tokenizer):
         assert (space[0] in allowed_ids(bitmask[0], compiler.vocab_size)) == space_allowed
 
 
-def test_refused_token_and_termination(compiler, tokenizer):
-    state = compiler.new_state(StructuredOutputsParams(regex=PHONE))
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_refused_token_and_termination(compiler, tokenizer, backend):
+    state = compiler.new_state(StructuredOutputsParams(regex=PHONE, backend=backend))
     bitmask = new_bitmask(1, compiler.vocab_size)
     for token in tokenizer.encode("555-0199", add_special_tokens=False):
         assert not state.is_terminated
@@ -160,18 +169,20 @@ def test_refused_token_and_termination(compiler, tokenizer):
     assert set(allowed_ids(bitmask[0], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
     assert state.accept(min(compiler.eos_token_ids))
 
-    refused = compiler.new_state(StructuredOutputsParams(regex=PHONE))
+    refused = compiler.new_state(StructuredOutputsParams(regex=PHONE, backend=backend))
     letter = tokenizer.encode("a", add_special_tokens=False)[0]
     assert not refused.accept(letter)
     assert refused.error and refused.is_terminated
     refused.fill_bitmask(bitmask, 0)  # a refused state only lets the sequence stop
     assert set(allowed_ids(bitmask[0], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
-    assert not compiler.new_state(StructuredOutputsParams(regex=PHONE)).accept(-1)
+    assert not compiler.new_state(StructuredOutputsParams(regex=PHONE, backend=backend)).accept(-1)
 
 
-def test_special_tokens_are_never_allowed(compiler):
-    """Only text the grammar admits: ``.*`` allows EOS (the end) but no other special token."""
-    state = compiler.new_state(StructuredOutputsParams(regex=".*"))
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_special_tokens_are_never_allowed(compiler, backend):
+    """Only text the grammar admits: ``.*`` allows EOS (the end) but no other special token (xgrammar read
+    ``<|im_start|>`` as its literal text until tidyrun gave special tokens no bytes)."""
+    state = compiler.new_state(StructuredOutputsParams(regex=".*", backend=backend))
     bitmask = new_bitmask(1, compiler.vocab_size)
     state.fill_bitmask(bitmask, 0)
     allowed = set(allowed_ids(bitmask[0], compiler.vocab_size).tolist())
@@ -180,13 +191,15 @@ def test_special_tokens_are_never_allowed(compiler):
     assert len(allowed) > 40000
 
 
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
 @pytest.mark.parametrize("extra", [77, 96])
-def test_padding_vocab_rows_are_never_allowed(tokenizer, extra):
+def test_padding_vocab_rows_are_never_allowed(tokenizer, extra, backend):
     """Logits wider than the tokenizer (padded embeddings): no bit at or past len(tokenizer) is ever set."""
     vocab = len(tokenizer) + extra
     compiler = GrammarCompiler(tokenizer, vocab, tokenizer.eos_token_ids)
     gen = torch.Generator().manual_seed(extra)
-    for spec in (StructuredOutputsParams(regex=".{0,40}"), StructuredOutputsParams(json_object=True)):
+    for spec in (StructuredOutputsParams(regex=".{0,40}", backend=backend),
+                 StructuredOutputsParams(json_object=True, backend=backend)):
         state = compiler.new_state(spec)
         bitmask = new_bitmask(1, vocab)
         for _ in range(40):
@@ -200,12 +213,13 @@ def test_padding_vocab_rows_are_never_allowed(tokenizer, extra):
                 break
 
 
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
 @pytest.mark.parametrize("fewer", [45, 10])  # one word fewer than the tokenizer's mask; the same words
-def test_tokenizer_wider_than_the_logits(tokenizer, fewer):
+def test_tokenizer_wider_than_the_logits(tokenizer, fewer, backend):
     """Tokens past the logits' width (tokenizer-only added tokens) are cut from the mask, tail bits cleared."""
     vocab = len(tokenizer) - fewer
     compiler = GrammarCompiler(tokenizer, vocab, tokenizer.eos_token_ids)
-    state = compiler.new_state(StructuredOutputsParams(regex=".*"))
+    state = compiler.new_state(StructuredOutputsParams(regex=".*", backend=backend))
     bitmask = new_bitmask(2, vocab)
     state.fill_bitmask(bitmask, 1)
     bits = np.unpackbits(bitmask[1].numpy().view(np.uint8), bitorder="little")
@@ -215,14 +229,15 @@ def test_tokenizer_wider_than_the_logits(tokenizer, fewer):
     assert torch.equal(bitmask[0], bitmask[1])
 
 
-def test_hf_folder_tokenizer_gives_the_same_masks(tmp_path, tokenizer, compiler):
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_hf_folder_tokenizer_gives_the_same_masks(tmp_path, tokenizer, compiler, backend):
     """A HF-folder tokenizer (saved from the GGUF one) builds the same masks along a walk."""
     from transformers import AutoTokenizer
 
     tokenizer.hf_tokenizer.save_pretrained(tmp_path)
     hf_tok = Tokenizer(AutoTokenizer.from_pretrained(tmp_path), eos_token_ids=sorted(compiler.eos_token_ids))
     other = GrammarCompiler(hf_tok, compiler.vocab_size, compiler.eos_token_ids)
-    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend=backend)
     a, b = compiler.new_state(spec), other.new_state(spec)
     masks = new_bitmask(2, compiler.vocab_size)
     gen = torch.Generator().manual_seed(3)
@@ -257,12 +272,73 @@ def test_fill_bitmasks_matches_one_by_one(compiler, tokenizer):
     assert (together[3] == -1).all() and (together[1] == 12345).all()
 
 
+def test_accept_later_advances_with_the_next_masks(compiler, tokenizer):
+    """Tokens handed over with ``accept_later`` (the engine's way) give the same masks as ``accept``, both
+    libraries in one batch; a refused one leaves only EOS and says why."""
+    specs = [StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),  # xgrammar
+             StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend="guidance"),
+             StructuredOutputsParams(grammar=GBNF), StructuredOutputsParams(regex=PHONE)]
+    now, later = [compiler.new_state(s) for s in specs], [compiler.new_state(s) for s in specs]
+    assert [s.backend for s in now] == ["xgrammar", "guidance", "guidance", "xgrammar"]
+    texts = ['{"name":"Al', '{"name":"Al', "Alice l", "55x"]  # "x" is refused by the phone regex
+    tokens = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    masks_now, masks_later = new_bitmask(4, compiler.vocab_size), new_bitmask(4, compiler.vocab_size)
+    for step in range(max(map(len, tokens))):
+        for i, ids in enumerate(tokens):
+            if step < len(ids):
+                now[i].accept(ids[step])
+                later[i].accept_later(ids[step])
+        for i, state in enumerate(now):
+            state.fill_bitmask(masks_now, i)
+        compiler.fill_bitmasks(later, masks_later)
+        assert torch.equal(masks_now, masks_later), step
+    assert later[3].error and later[3].is_terminated and not later[0].is_terminated
+    assert set(allowed_ids(masks_later[3], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
+
+
+def test_auto_takes_xgrammar_only_for_what_it_enforces(compiler):
+    """"auto": xgrammar for JSON schemas of keywords it enforces, regexes and choices; llguidance for
+    grammars, keywords xgrammar ignores, long counted repetitions; llguidance when xgrammar refuses."""
+    backend = lambda **kw: compiler.compile(StructuredOutputsParams(**kw)).backend  # noqa: E731
+    assert backend(json=PERSON) == backend(regex=PHONE) == backend(choice=CHOICES) == "xgrammar"
+    assert backend(json_object=True) == "xgrammar"
+    assert backend(grammar=GBNF) == backend(grammar=LARK) == "guidance"
+    assert backend(json={"allOf": [{"type": "integer"}, {"minimum": 5}]}) == "guidance"  # xgrammar ignores allOf
+    with pytest.raises(InvalidRequestError, match="uniqueItems"):  # neither enforces it: refused, not ignored
+        compiler.compile(StructuredOutputsParams(json={"type": "array", "uniqueItems": True}))
+    assert backend(json=PERSON, whitespace_pattern=r"[ ]?") == "guidance"
+    assert backend(regex=r"[a-z]{1,200}@x\.com") == "guidance"  # xgrammar took ~0.5-1 s to compile it
+    assert backend(regex=r"\p{Lu}\w+") == "guidance"  # xgrammar refuses \p{..}; the fallback takes it
+    assert backend(grammar=GBNF, backend="xgrammar") == "xgrammar"
+    with pytest.raises(InvalidRequestError, match="look-around"):  # both refuse: llguidance's message
+        compiler.compile(StructuredOutputsParams(regex="(?=a)b"))
+    with pytest.raises(InvalidRequestError, match="Lookahead is not supported"):  # xgrammar's own refusal
+        compiler.compile(StructuredOutputsParams(regex="(?=a)b", disable_fallback=True))
+    with pytest.raises(InvalidRequestError, match="backend 'outlines' is not available"):
+        StructuredOutputsParams(regex=PHONE, backend="outlines")
+
+
+def test_complete_json_allows_only_eos_on_both_libraries(compiler, tokenizer):
+    """A closed object can only stop: ``is_terminated`` before EOS on both libraries (xgrammar's own matcher
+    terminates only once it accepts EOS), and the engine's EOS then ends it."""
+    for backend in ("guidance", "xgrammar"):
+        state = compiler.new_state(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend=backend))
+        for token in tokenizer.encode('{"name":"A","age":3,"ok":true}', add_special_tokens=False):
+            assert not state.is_terminated
+            assert state.accept(token), backend
+        assert state.is_terminated and state.error is None
+        mask = new_bitmask(1, compiler.vocab_size)
+        state.fill_bitmask(mask, 0)
+        assert set(allowed_ids(mask[0], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
+        assert state.accept(min(compiler.eos_token_ids)) and state.is_terminated
+
+
 def test_sequences_of_one_grammar_spread_over_independent_templates(source, tokenizer):
-    """Sequences of one grammar are dealt over separately built templates (so llguidance can fill their
-    masks in parallel) and every lane gives the same masks after the same tokens."""
+    """Sequences of one llguidance grammar are dealt over separately built templates (so llguidance can fill
+    their masks in parallel) and every lane gives the same masks after the same tokens."""
     lanes = 3
     compiler = GrammarCompiler(tokenizer, source.config.vocab_size, frozenset(source.config.eos_token_ids), lanes=lanes)
-    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend="guidance")
     states = [compiler.new_state(spec) for _ in range(lanes + 2)]
     compiled = compiler.compile(spec)
     assert len(compiled._templates) == lanes

@@ -90,7 +90,10 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     bias_tokens: list[int] = []
     bias_values: list[float] = []
     penalty_rows: list[int] = []
-    grammar_rows: list[int] = []
+    grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    if grammar_rows:  # every row's grammar past its last token at once (the library's threads), before any query
+        grammar_states = [seqs[row].grammar for row in grammar_rows]
+        grammar_states[0].compiler.advance(grammar_states)  # one engine, one compiler
     for row, seq in enumerate(seqs):
         p = seq.params
         # A complete grammar allows only EOS: it wins over min_tokens (else no token would be left).
@@ -110,8 +113,6 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
             bias_values += p.logit_bias.values()
         if p.has_penalties:
             penalty_rows.append(row)
-        if seq.grammar is not None:
-            grammar_rows.append(row)
     if allowed_rows:
         keep = torch.zeros(len(allowed_rows), vocab, dtype=torch.bool)
         for i, ids in enumerate(allowed_ids):
@@ -122,8 +123,7 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
         logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_tokens, device=dev)] = _NEG_INF
     if grammar_rows:
         bitmask = new_bitmask(len(grammar_rows), vocab, allow_all=False)  # fill_bitmasks writes every row
-        states = [seqs[row].grammar for row in grammar_rows]
-        states[0].compiler.fill_bitmasks(states, bitmask)  # one engine, one compiler: all rows on its threads
+        grammar_states[0].compiler.fill_bitmasks(grammar_states, bitmask)  # all rows on the libraries' threads
         apply_bitmask(logits, bitmask, grammar_rows)
     if bias_rows:
         logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_tokens, device=dev)),

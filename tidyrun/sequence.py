@@ -193,11 +193,14 @@ class Sequence:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob[1]
         if self.grammar is not None:
-            self.grammar.accept(token_id)
-            if self.grammar.is_terminated and token_id in eos_token_ids:  # the structure is complete
-                self._final_text(len(self.token_ids) - 1)
-                self.finish("stop")
-                return
+            if token_id in eos_token_ids:
+                self.grammar.accept(token_id)
+                if self.grammar.is_terminated:  # the structure is complete
+                    self._final_text(len(self.token_ids) - 1)
+                    self.finish("stop")
+                    return
+            else:  # advanced with the next step's masks, all rows together (GrammarState says why)
+                self.grammar.accept_later(token_id)
         p = self.params
         num_output = len(self.token_ids) - self.num_prompt_tokens  # computed once: this runs per sequence per step
         allowed_to_stop = num_output >= p.min_tokens

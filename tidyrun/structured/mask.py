@@ -1,0 +1,128 @@
+"""The token mask: a host int32 bitmask per sequence, and its application to the logits on their device.
+
+Bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed: the layout both
+grammar libraries (llguidance, xgrammar) write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+
+class MaskLayout:
+    """How a grammar library's mask (one bit per tokenizer token) maps onto the logits' width.
+
+    The libraries are built with ``n_vocab = max(vocab_size, len(tokenizer))``:
+    when the logits are wider than the tokenizer the padding tokens have no
+    bytes and are never allowed; when the tokenizer is wider (added tokens the
+    model cannot produce) the mask is cut to the logits' width (through a
+    scratch row when it has more words) and the bits past ``vocab_size`` are
+    cleared.
+    """
+
+    def __init__(self, vocab_size: int, lib_vocab: int, eos_token_ids: Collection[int]) -> None:
+        self.vocab_size = vocab_size
+        self.lib_vocab = lib_vocab
+        self.words = (vocab_size + 31) // 32
+        self.lib_words = (lib_vocab + 31) // 32
+        self.eos_token_ids = sorted(eos_token_ids)
+
+    @property
+    def direct(self) -> bool:
+        """The library writes straight into a bitmask row (same number of words)."""
+        return self.words == self.lib_words
+
+    def check(self, bitmask: torch.Tensor) -> None:
+        if (bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.device.type != "cpu"
+                or bitmask.shape[1] != self.words or bitmask.stride(1) != 1):
+            raise ValueError(f"bitmask must be a CPU int32 tensor [rows, {self.words}] with contiguous rows "
+                             f"(new_bitmask builds one); got {bitmask.dtype} {tuple(bitmask.shape)} on "
+                             f"{bitmask.device}")
+
+    def check_rows(self, bitmask: torch.Tensor, rows: list[int]) -> None:
+        if any(not 0 <= r < bitmask.shape[0] for r in rows) or len(set(rows)) != len(rows):
+            raise IndexError(f"bitmask rows must be distinct and below {bitmask.shape[0]}, got {rows}")
+
+    def write_wide(self, wide: torch.Tensor, bitmask: torch.Tensor, row: int) -> None:
+        """Copy a library-width mask row (int32 [lib_words]) into ``bitmask[row]``, cut to the logits."""
+        bitmask[row].copy_(wide[:self.words])
+        self.clear_tail(bitmask[row])
+
+    def stop_only(self, bitmask: torch.Tensor, row: int) -> None:
+        """Allow only the EOS ids in ``bitmask[row]`` (a complete or refused grammar: the sequence may only stop)."""
+        target = bitmask[row]
+        target.zero_()
+        for token in self.eos_token_ids:
+            target[token // 32] |= _bit(token % 32)
+
+    def only_stop_allowed(self, wide: torch.Tensor) -> bool:
+        """Whether a library-width mask row allows nothing but EOS ids."""
+        rest = wide.clone()
+        for token in self.eos_token_ids:
+            if token < self.lib_vocab:
+                rest[token // 32] &= ~_bit(token % 32)
+        return not bool(rest.any())
+
+    def clear_tail(self, row: torch.Tensor) -> None:
+        """Clear the bits of the last word that lie past ``vocab_size`` (xgrammar sets them; a cut mask has
+        tokens there)."""
+        extra = self.words * 32 - self.vocab_size
+        if extra:
+            row[-1] &= (1 << (32 - extra)) - 1
+
+
+def _bit(k: int) -> int:
+    """Bit ``k`` of an int32 word as a Python int torch accepts (bit 31 is the sign bit)."""
+    return (1 << k) - (1 << 32 if k == 31 else 0)
+
+
+def new_bitmask(rows: int, vocab_size: int, allow_all: bool = True) -> torch.Tensor:
+    """A host int32 bitmask [rows, ceil(vocab_size / 32)] with every token allowed (``allow_all=False``:
+    uninitialised, for a caller that fills every row, which saves a fill of the whole buffer each step).
+
+    Plain (pageable) memory: ``apply_bitmask``'s copy to the device has left
+    the buffer when it returns, so the host may refill it for the next step.
+    """
+    if rows < 0 or vocab_size < 1:
+        raise ValueError(f"need rows >= 0 and vocab_size >= 1, got {rows}, {vocab_size}")
+    shape = (rows, (vocab_size + 31) // 32)
+    return torch.full(shape, -1, dtype=torch.int32) if allow_all else torch.empty(shape, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Set the logits of disallowed tokens to -inf, in place, on the logits' device.
+
+    ``logits`` [N, vocab] float; ``bitmask`` int32 [R, ceil(vocab/32)] on the
+    host. Bitmask row i applies to logits row ``rows[i]`` (all N rows, R == N,
+    when ``rows`` is None). One copy of the mask to the device, then
+    vectorized unpacking (no loop over tokens); the unpacked mask takes one
+    byte per token (the words are read as little-endian bytes, as on every
+    platform torch and the grammar libraries run on).
+    """
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError(f"need logits [N, vocab] and an int32 bitmask [R, words]; got {tuple(logits.shape)} "
+                         f"and {bitmask.dtype} {tuple(bitmask.shape)}")
+    n_rows, vocab = logits.shape
+    words = (vocab + 31) // 32
+    if bitmask.shape[1] != words:
+        raise ValueError(f"bitmask has {bitmask.shape[1]} words per row; logits of width {vocab} need {words}")
+    if rows is not None:
+        rows = [int(r) for r in rows]
+        if any(not 0 <= r < n_rows for r in rows) or len(set(rows)) != len(rows):
+            raise ValueError(f"rows must be distinct logits rows below {n_rows}, got {rows}")
+    count = n_rows if rows is None else len(rows)
+    if bitmask.shape[0] != count:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {count} logits rows")
+    if count == 0:
+        return
+    dev = logits.device
+    packed = bitmask.contiguous().to(dev).view(torch.uint8)  # [count, words * 4]: byte k holds tokens 8k..8k+7
+    bits = torch.ones(8, dtype=torch.uint8, device=dev) << torch.arange(8, dtype=torch.uint8, device=dev)
+    refused = ((packed.unsqueeze(-1) & bits) == 0).view(count, words * 32)[:, :vocab]
+    if rows is None:
+        logits.masked_fill_(refused, float("-inf"))
+        return
+    index = torch.tensor(rows, dtype=torch.long).to(dev)
+    logits[index] = logits[index].masked_fill(refused, float("-inf"))
