@@ -124,7 +124,7 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     if grammar_rows:
         bitmask = new_bitmask(len(grammar_rows), vocab, allow_all=False)  # fill_bitmasks writes every row
         grammar_states[0].compiler.fill_bitmasks(grammar_states, bitmask)  # all rows on the libraries' threads
-        apply_bitmask(logits, bitmask, grammar_rows)
+        apply_bitmask(logits, bitmask, None if len(grammar_rows) == len(seqs) else grammar_rows)  # None: no gather
     if bias_rows:
         logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_tokens, device=dev)),
                           torch.tensor(bias_values, device=dev, dtype=logits.dtype), accumulate=True)
