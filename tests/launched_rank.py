@@ -192,5 +192,15 @@ if __name__ == "__main__":
     scenario, model, out_dir = sys.argv[1:4]
     rank = int(os.environ["RANK"])
     result = SCENARIOS[scenario](model, rank)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
         json.dump(result, f)
+    os.rename(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
+    if rank == 0 and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
+        # Without torchrun's agent this process hosts the launcher's store, which the other engines' ranks
+        # (past this engine's 2) may still need to start: like a trainer's rank 0, it lives until they are
+        # done (the README's limit). Found when ranks 2-3 of a 4-process launch lagged on a loaded machine.
+        others = range(2, int(os.environ["WORLD_SIZE"]))
+        deadline = time.monotonic() + 600
+        while (time.monotonic() < deadline
+               and not all(os.path.exists(os.path.join(out_dir, f"rank{r}.json")) for r in others)):
+            time.sleep(0.2)

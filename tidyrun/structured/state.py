@@ -92,11 +92,6 @@ class GrammarState:
             self._fill(bitmask, row)
 
     @property
-    def refused(self) -> bool:
-        self.flush()
-        return self._refused is not None
-
-    @property
     def is_terminated(self) -> bool:
         """The grammar is complete (or the state refused a token): only EOS is allowed."""
         self.flush()
