@@ -23,17 +23,19 @@ mask, one matcher, random walks        20-110 us;           5-70 us
                                        300-1000 us inside
                                        a string with
                                        maxLength 24
-64 rows' masks of a 3-field schema     13.1 ms              1.1 ms
-  (maxLength 24), 2 threads, a step
-64 rows' advances, a step              0.51 ms              0.44 ms
+64 rows' masks, one step:              ``bench/grammar_masks.py`` (the engine's path, 2 threads)
+  3-field schema, maxLength 24         17.6 ms              0.98 ms
+  3-field schema, unbounded strings    1.05 ms              1.42 ms
+  regex, choice                        1.8, 4.0 ms          0.64, 0.66 ms
+64 rows' advances, one step            0.5-3.5 ms           0.4-0.5 ms
 =====================================  ===================  =====================
 
 Why both: xgrammar's masks are what a step needs (the 64-row fill of a
-realistic schema is 12x cheaper, and on the GPU it must hide behind the
-forward pass), but it compiles some grammars slowly (counted repetitions
-expand into rules), silently ignores some JSON Schema keywords, and reads no
-Lark; llguidance compiles anything in milliseconds and covers more of JSON
-Schema. The mask is a host int32 bitmask (bit ``t % 32`` of word ``t // 32``
+schema with bounded strings is 18x cheaper, and on the GPU it must hide
+behind the forward pass), but it compiles some grammars slowly (counted
+repetitions expand into rules) and silently ignores some JSON Schema
+keywords; llguidance compiles anything in milliseconds, covers more of JSON
+Schema and reads the Lark grammars vLLM's guidance backend reads. The mask is a host int32 bitmask (bit ``t % 32`` of word ``t // 32``
 set = token ``t`` allowed), filled per sequence on the host and applied to
 the logits on their device with one copy (``apply_bitmask``).
 """
