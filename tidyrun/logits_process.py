@@ -96,11 +96,13 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
         grammar_states[0].compiler.advance(grammar_states)  # one engine, one compiler
     for row, seq in enumerate(seqs):
         p = seq.params
-        # A complete grammar allows only EOS: it wins over min_tokens (else no token would be left).
-        done = seq.grammar is not None and seq.grammar.is_terminated
-        banned = set() if done else stop_token_bans(seq, eos_token_ids)
-        if seq.grammar is not None and not done and p.ignore_eos:
-            banned.update(eos_token_ids)  # EOS would end a structured sequence: ignore_eos keeps it going
+        banned = stop_token_bans(seq, eos_token_ids)
+        # Asked only where it matters: whether a grammar is complete can cost a mask (xgrammar's).
+        if seq.grammar is not None and (banned or p.ignore_eos):
+            if seq.grammar.is_terminated:  # a complete grammar allows only EOS: it wins over min_tokens
+                banned = set()
+            elif p.ignore_eos:
+                banned.update(eos_token_ids)  # EOS would end a structured sequence: ignore_eos keeps it going
         banned.update(bad_word_bans(seq))
         ban_rows += [row] * len(banned)
         ban_tokens += banned

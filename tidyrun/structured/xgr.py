@@ -188,11 +188,9 @@ class XGrammarBackend:
         return XGrammar(kind, compiled, self._layout)
 
     def advance_many(self, states: Sequence[XGrammarState], tokens: Sequence[int]) -> list[bool]:
-        import xgrammar
-
-        for state in states:
-            state._only_stop = None
-        return xgrammar.BatchGrammarMatcher.batch_accept_token([s.matcher for s in states], list(tokens))
+        # One call per row: 0.13 ms for 64 rows where BatchGrammarMatcher.batch_accept_token took 0.19 ms
+        # (its result list is read element by element through tvm-ffi).
+        return [state._advance(token) for state, token in zip(states, tokens)]
 
     def fill_many(self, states: Sequence[XGrammarState], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         if not self._layout.direct or not bitmask.is_contiguous():
