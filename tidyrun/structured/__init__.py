@@ -44,4 +44,4 @@ from .compiler import GrammarCompiler
 from .mask import apply_bitmask, new_bitmask
 from .state import GrammarState
 
-__all__ = ["GrammarCompiler", "GrammarState", "apply_bitmask", "new_bitmask"]
+__all__ = ("GrammarCompiler", "GrammarState", "apply_bitmask", "new_bitmask")
