@@ -277,7 +277,7 @@ def test_accept_later_advances_with_the_next_masks(compiler, tokenizer):
     libraries in one batch; a refused one leaves only EOS and says why."""
     specs = [StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),  # xgrammar
              StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend="guidance"),
-             StructuredOutputsParams(grammar=GBNF), StructuredOutputsParams(regex=PHONE)]
+             StructuredOutputsParams(grammar=GBNF), StructuredOutputsParams(regex=PHONE, backend="xgrammar")]
     now, later = [compiler.new_state(s) for s in specs], [compiler.new_state(s) for s in specs]
     assert [s.backend for s in now] == ["xgrammar", "guidance", "guidance", "xgrammar"]
     texts = ['{"name":"Al', '{"name":"Al', "Alice l", "55x"]  # "x" is refused by the phone regex
@@ -297,25 +297,51 @@ def test_accept_later_advances_with_the_next_masks(compiler, tokenizer):
 
 
 def test_auto_takes_xgrammar_only_for_what_it_enforces(compiler):
-    """"auto": xgrammar for JSON schemas of keywords it enforces, regexes and choices; llguidance for
-    grammars, keywords xgrammar ignores, long counted repetitions; llguidance when xgrammar refuses."""
+    """"auto": xgrammar for JSON schemas of the plain shape it was seen to enforce and for choices;
+    llguidance for regexes, grammars and every schema xgrammar fails to enforce (each case below produced
+    invalid documents on random walks under xgrammar 0.2.9)."""
     backend = lambda **kw: compiler.compile(StructuredOutputsParams(**kw)).backend  # noqa: E731
-    assert backend(json=PERSON) == backend(regex=PHONE) == backend(choice=CHOICES) == "xgrammar"
-    assert backend(json_object=True) == "xgrammar"
-    assert backend(grammar=GBNF) == backend(grammar=LARK) == "guidance"
-    assert backend(json={"allOf": [{"type": "integer"}, {"minimum": 5}]}) == "guidance"  # xgrammar ignores allOf
+    assert backend(json=PERSON) == backend(choice=CHOICES) == backend(json_object=True) == "xgrammar"
+    assert backend(regex=PHONE) == backend(grammar=GBNF) == backend(grammar=LARK) == "guidance"
+    string = {"type": "string"}
+    for schema in ({"allOf": [{"type": "integer"}, {"minimum": 5}]},
+                   {"type": "string", "pattern": "^[a-z]+$", "minLength": 3},
+                   {"type": "integer", "enum": [1, "a", None]},
+                   {"$defs": {"s": string}, "type": "object", "properties": {"a": {"$ref": "#/$defs/s"}}},
+                   {"type": "object", "properties": {"a": string}, "required": ["zz"]},
+                   {"type": "object", "properties": {"a": string}, "anyOf": [{"required": ["a"]}]},
+                   {"type": "number", "multipleOf": 0.5},
+                   {"minimum": 5, "maximum": 6},
+                   {"type": "object", "patternProperties": {"^a": {"type": "integer", "minimum": 5}}}):
+        assert backend(json=schema) == "guidance", schema
+    assert backend(json=PERSON, whitespace_pattern=r"[ ]?") == "guidance"
+    assert backend(grammar=GBNF, backend="xgrammar") == "xgrammar"
     with pytest.raises(InvalidRequestError, match="uniqueItems"):  # neither enforces it: refused, not ignored
         compiler.compile(StructuredOutputsParams(json={"type": "array", "uniqueItems": True}))
-    assert backend(json=PERSON, whitespace_pattern=r"[ ]?") == "guidance"
-    assert backend(regex=r"[a-z]{1,200}@x\.com") == "guidance"  # xgrammar took ~0.5-1 s to compile it
-    assert backend(regex=r"\p{Lu}\w+") == "guidance"  # xgrammar refuses \p{..}; the fallback takes it
-    assert backend(grammar=GBNF, backend="xgrammar") == "xgrammar"
-    with pytest.raises(InvalidRequestError, match="look-around"):  # both refuse: llguidance's message
+    with pytest.raises(InvalidRequestError, match="look-around"):
         compiler.compile(StructuredOutputsParams(regex="(?=a)b"))
     with pytest.raises(InvalidRequestError, match="Lookahead is not supported"):  # xgrammar's own refusal
-        compiler.compile(StructuredOutputsParams(regex="(?=a)b", disable_fallback=True))
+        compiler.compile(StructuredOutputsParams(regex="(?=a)b", backend="xgrammar"))
     with pytest.raises(InvalidRequestError, match="backend 'outlines' is not available"):
         StructuredOutputsParams(regex=PHONE, backend="outlines")
+
+
+def test_one_character_strings_stay_json_under_xgrammar(compiler, tokenizer):
+    """xgrammar inlines a ``maxLength: 1`` string's character class, which admitted a raw tab; mended."""
+    schema = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 1},
+                                               "l": {"type": "array", "items": {"type": "string", "maxLength": 1},
+                                                     "maxItems": 2}},
+              "required": ["c", "l"], "additionalProperties": False}
+    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True, backend="xgrammar")
+    gen = torch.Generator().manual_seed(11)
+    ended = 0
+    for _ in range(40):
+        ids, done = walk(compiler, spec, gen, 40)
+        if done:
+            ended += 1
+            obj = json.loads(tokenizer.decode(ids))
+            assert len(obj["c"]) <= 1 and all(len(x) <= 1 for x in obj["l"]), obj
+    assert ended >= 20
 
 
 def test_complete_json_allows_only_eos_on_both_libraries(compiler, tokenizer):

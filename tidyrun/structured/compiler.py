@@ -11,7 +11,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutputsParams
-from . import xgr
+from . import guidance, xgr
 from .guidance import GuidanceBackend
 from .mask import MaskLayout
 from .specs import cache_key
@@ -95,6 +95,7 @@ class GrammarCompiler:
             return self._backends["xgrammar"].compile(spec)
         if not xgr.enforces(spec):  # "auto" (validate() refused any other name)
             return self._backends["guidance"].compile(spec)
+        guidance.grammar_text(spec)  # llguidance's checks first (~1 ms): a malformed schema gets its clear refusal
         try:
             return self._backends["xgrammar"].compile(spec)
         except InvalidRequestError:

@@ -89,8 +89,6 @@ class GuidanceState(GrammarState):
 class GuidanceBackend:
     """llguidance's view of the tokenizer (~1 s to build, so built on first use) and its thread pool."""
 
-    name = "guidance"
-
     def __init__(self, hf_tokenizer, layout: MaskLayout, threads: int, lanes: int) -> None:
         self._hf_tokenizer = hf_tokenizer
         self._layout = layout
@@ -157,8 +155,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(spec.regex, 'dw')}/")
         if kind == "choice":
             return llguidance.grammar_from("choice", list(spec.choice))
-        if kind == "grammar":  # Lark, or GBNF / EBNF ("root ::= ..."), as vLLM's guidance backend reads it
-            return llguidance.grammar_from("grammar", spec.grammar)
+        # "grammar" (validate() admits no other kind): Lark, or GBNF / EBNF ("root ::= ..."), as vLLM's
+        # guidance backend reads it
+        return llguidance.grammar_from("grammar", spec.grammar)
     except ValueError as exc:
         raise invalid(kind, str(exc)) from None
-    raise InvalidRequestError(f"structured outputs: {kind} is not supported")
