@@ -7,7 +7,7 @@ tokens), median ``llm.step()`` time over ``--rounds`` x ``--decode-steps``
 steps, the two sides alternating round by round, for
 ``SamplingParams(logprobs=None)`` vs ``logprobs=0`` (what TRL and verl send),
 greedy and at temperature 1 (RL rollouts); one engine, same requests.
-(b) Structured outputs (each of ``--json-backends``) on the default model and on random ``--structured-shapes``
+(b) Structured outputs on the default model and on random ``--structured-shapes``
 checkpoints that carry its tokenizer (a real 49k-token vocabulary, so the
 grammar's per-token mask costs what it costs users): ``--json-requests``
 requests at temperature 1, each generating until its JSON object is complete,
@@ -111,7 +111,7 @@ def structured_rows(args: argparse.Namespace) -> list[dict]:
     round (constrained, and unconstrained with the constrained run's token counts); medians over
     ``--rounds``."""
     models = [("default", None)] + [(s, structured_checkpoint(s, args.device)) for s in args.structured_shapes]
-    return [row for name, ckpt in models for row in structured_row(name, ckpt, args)]
+    return [structured_row(name, ckpt, args) for name, ckpt in models]
 
 
 def structured_row(name: str, ckpt: str | None, args: argparse.Namespace) -> dict:
@@ -122,14 +122,12 @@ def structured_row(name: str, ckpt: str | None, args: argparse.Namespace) -> dic
         prompts = [llm.get_tokenizer().apply_chat_template(
             [{"role": "user", "content": f"Describe person number {i} as JSON with name, age and city."}],
             tokenize=False, add_generation_prompt=True) for i in range(args.json_requests)]
-        specs = {b: StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, backend=b)
-                 for b in args.json_backends}
-        for spec in specs.values():  # every side's kernels and grammars built before any is timed
-            warm = SamplingParams(temperature=1.0, seed=0, max_tokens=64, structured_outputs=spec)
-            llm.generate(prompts, warm, use_tqdm=False)
+        spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+        warm = SamplingParams(temperature=1.0, seed=0, max_tokens=64, structured_outputs=spec)
+        llm.generate(prompts, warm, use_tqdm=False)  # both sides' kernels compiled before either is timed
         llm.generate(prompts, SamplingParams(temperature=1.0, seed=0, max_tokens=64), use_tqdm=False)
-        params = {b: [SamplingParams(temperature=1.0, seed=i, max_tokens=256, structured_outputs=spec)
-                      for i in range(len(prompts))] for b, spec in specs.items()}
+        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=256, structured_outputs=spec)
+                  for i in range(len(prompts))]
 
         def timed(run_params):
             sync(args.device)
@@ -138,29 +136,22 @@ def structured_row(name: str, ckpt: str | None, args: argparse.Namespace) -> dic
             sync(args.device)
             return time.perf_counter() - t0, out
 
-        # Each backend's constrained run, then the unconstrained run with the first backend's token counts,
-        # round after round; compared per output token (the backends' outputs may differ in length).
-        times: dict[str, list[float]] = {**{b: [] for b in specs}, "free": []}
-        first: dict[str, list] = {}
+        times: dict[str, list[float]] = {"json": [], "free": []}
+        first = None
         for _ in range(args.rounds):
-            for b in specs:
-                seconds, out = timed(params[b])
-                times[b].append(seconds)
-                first.setdefault(b, out)
-            counts = [len(o.outputs[0].token_ids) for o in first[args.json_backends[0]]]
+            seconds, out = timed(params)
+            times["json"].append(seconds)
+            first = first or out
+            counts = [len(o.outputs[0].token_ids) for o in first]
             free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
                     for i, n in enumerate(counts)]
             times["free"].append(timed(free)[0])
+        tokens = sum(counts)
         t = {k: statistics.median(v) for k, v in times.items()}
-        rows = []
-        for b in specs:
-            tokens = sum(len(o.outputs[0].token_ids) for o in first[b])
-            rows.append(dict(model=name, backend=b, requests=len(prompts), output_tokens=tokens,
-                             free_tokens=sum(counts), valid=sum(_valid(o.outputs[0].text) for o in first[b]),
-                             seconds=times[b], free_seconds=times["free"],
-                             json_us_per_token=t[b] / tokens * 1e6, free_us_per_token=t["free"] / sum(counts) * 1e6,
-                             overhead=(t[b] / tokens) / (t["free"] / sum(counts)) - 1))
-        return rows
+        return dict(model=name, requests=len(prompts), output_tokens=tokens,
+                    valid=sum(_valid(o.outputs[0].text) for o in first), seconds=times,
+                    json_us_per_token=t["json"] / tokens * 1e6, free_us_per_token=t["free"] / tokens * 1e6,
+                    overhead=t["json"] / t["free"] - 1)
     finally:
         llm.shutdown()
 
@@ -183,9 +174,6 @@ def main() -> None:
     ap.add_argument("--json-requests", type=int, default=64)
     ap.add_argument("--structured-shapes", nargs="*", default=["llama-1.2b"],
                     help="random checkpoints (with the default model's tokenizer) to run (b) on besides the default model")
-    ap.add_argument("--json-backends", nargs="+", default=["auto", "guidance"],
-                    help="grammar backends to time (StructuredOutputsParams.backend), each against the same "
-                         "unconstrained run")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-structured", action="store_true")
     ap.add_argument("--json", default="bench/results/logprobs.json")
@@ -203,10 +191,10 @@ def main() -> None:
     if not args.skip_structured:
         structured = structured_rows(args)
         print(f"\n(b) JSON schema, temperature 1, median of {args.rounds} alternating rounds")
-        print("| model | backend | requests | output tokens | valid | JSON us/token | unconstrained us/token | overhead |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| model | requests | output tokens | valid | JSON us/token | unconstrained us/token | overhead |")
+        print("|---|---|---|---|---|---|---|")
         for r in structured:
-            print(f"| {r['model']} | {r['backend']} | {r['requests']} | {r['output_tokens']} | {r['valid']} | "
+            print(f"| {r['model']} | {r['requests']} | {r['output_tokens']} | {r['valid']} | "
                   f"{r['json_us_per_token']:.1f} | {r['free_us_per_token']:.1f} | {r['overhead'] * 100:+.1f}% |")
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

@@ -9,7 +9,6 @@ and a hand-written schema check).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import time
@@ -111,15 +110,8 @@ WALKS = [
 ]
 
 
-# Each walk under the engine's choice ("auto": xgrammar except Lark) and under each library it may take.
-BACKEND_WALKS = [(backend, *w) for w in WALKS for backend in ("auto", "guidance", "xgrammar")
-                 if not (backend == "xgrammar" and w[0] == "lark")]
-
-
-@pytest.mark.parametrize("backend,name,spec,valid,walks,cap", BACKEND_WALKS,
-                         ids=[f"{w[1]}-{w[0]}" for w in BACKEND_WALKS])
-def test_random_walks_satisfy_the_constraint(compiler, tokenizer, backend, name, spec, valid, walks, cap):
-    spec = dataclasses.replace(spec, backend=backend)
+@pytest.mark.parametrize("name,spec,valid,walks,cap", WALKS, ids=[w[0] for w in WALKS])
+def test_random_walks_satisfy_the_constraint(compiler, tokenizer, name, spec, valid, walks, cap):
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     for i in range(walks):
         ids, ended = walk(compiler, spec, gen, cap)
@@ -155,9 +147,8 @@ def test_compact_and_flexible_json_whitespace(compiler, tokenizer):
         assert (space[0] in allowed_ids(bitmask[0], compiler.vocab_size)) == space_allowed
 
 
-@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
-def test_refused_token_and_termination(compiler, tokenizer, backend):
-    state = compiler.new_state(StructuredOutputsParams(regex=PHONE, backend=backend))
+def test_refused_token_and_termination(compiler, tokenizer):
+    state = compiler.new_state(StructuredOutputsParams(regex=PHONE))
     bitmask = new_bitmask(1, compiler.vocab_size)
     for token in tokenizer.encode("555-0199", add_special_tokens=False):
         assert not state.is_terminated
@@ -169,20 +160,18 @@ def test_refused_token_and_termination(compiler, tokenizer, backend):
     assert set(allowed_ids(bitmask[0], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
     assert state.accept(min(compiler.eos_token_ids))
 
-    refused = compiler.new_state(StructuredOutputsParams(regex=PHONE, backend=backend))
+    refused = compiler.new_state(StructuredOutputsParams(regex=PHONE))
     letter = tokenizer.encode("a", add_special_tokens=False)[0]
     assert not refused.accept(letter)
     assert refused.error and refused.is_terminated
     refused.fill_bitmask(bitmask, 0)  # a refused state only lets the sequence stop
     assert set(allowed_ids(bitmask[0], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
-    assert not compiler.new_state(StructuredOutputsParams(regex=PHONE, backend=backend)).accept(-1)
+    assert not compiler.new_state(StructuredOutputsParams(regex=PHONE)).accept(-1)
 
 
-@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
-def test_special_tokens_are_never_allowed(compiler, backend):
-    """Only text the grammar admits: ``.*`` allows EOS (the end) but no other special token (xgrammar read
-    ``<|im_start|>`` as its literal text until tidyrun gave special tokens no bytes)."""
-    state = compiler.new_state(StructuredOutputsParams(regex=".*", backend=backend))
+def test_special_tokens_are_never_allowed(compiler):
+    """Only text the grammar admits: ``.*`` allows EOS (the end) but no other special token."""
+    state = compiler.new_state(StructuredOutputsParams(regex=".*"))
     bitmask = new_bitmask(1, compiler.vocab_size)
     state.fill_bitmask(bitmask, 0)
     allowed = set(allowed_ids(bitmask[0], compiler.vocab_size).tolist())
@@ -191,15 +180,13 @@ def test_special_tokens_are_never_allowed(compiler, backend):
     assert len(allowed) > 40000
 
 
-@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
 @pytest.mark.parametrize("extra", [77, 96])
-def test_padding_vocab_rows_are_never_allowed(tokenizer, extra, backend):
+def test_padding_vocab_rows_are_never_allowed(tokenizer, extra):
     """Logits wider than the tokenizer (padded embeddings): no bit at or past len(tokenizer) is ever set."""
     vocab = len(tokenizer) + extra
     compiler = GrammarCompiler(tokenizer, vocab, tokenizer.eos_token_ids)
     gen = torch.Generator().manual_seed(extra)
-    for spec in (StructuredOutputsParams(regex=".{0,40}", backend=backend),
-                 StructuredOutputsParams(json_object=True, backend=backend)):
+    for spec in (StructuredOutputsParams(regex=".{0,40}"), StructuredOutputsParams(json_object=True)):
         state = compiler.new_state(spec)
         bitmask = new_bitmask(1, vocab)
         for _ in range(40):
@@ -213,13 +200,12 @@ def test_padding_vocab_rows_are_never_allowed(tokenizer, extra, backend):
                 break
 
 
-@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
 @pytest.mark.parametrize("fewer", [45, 10])  # one word fewer than the tokenizer's mask; the same words
-def test_tokenizer_wider_than_the_logits(tokenizer, fewer, backend):
+def test_tokenizer_wider_than_the_logits(tokenizer, fewer):
     """Tokens past the logits' width (tokenizer-only added tokens) are cut from the mask, tail bits cleared."""
     vocab = len(tokenizer) - fewer
     compiler = GrammarCompiler(tokenizer, vocab, tokenizer.eos_token_ids)
-    state = compiler.new_state(StructuredOutputsParams(regex=".*", backend=backend))
+    state = compiler.new_state(StructuredOutputsParams(regex=".*"))
     bitmask = new_bitmask(2, vocab)
     state.fill_bitmask(bitmask, 1)
     bits = np.unpackbits(bitmask[1].numpy().view(np.uint8), bitorder="little")
@@ -229,15 +215,14 @@ def test_tokenizer_wider_than_the_logits(tokenizer, fewer, backend):
     assert torch.equal(bitmask[0], bitmask[1])
 
 
-@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
-def test_hf_folder_tokenizer_gives_the_same_masks(tmp_path, tokenizer, compiler, backend):
+def test_hf_folder_tokenizer_gives_the_same_masks(tmp_path, tokenizer, compiler):
     """A HF-folder tokenizer (saved from the GGUF one) builds the same masks along a walk."""
     from transformers import AutoTokenizer
 
     tokenizer.hf_tokenizer.save_pretrained(tmp_path)
     hf_tok = Tokenizer(AutoTokenizer.from_pretrained(tmp_path), eos_token_ids=sorted(compiler.eos_token_ids))
     other = GrammarCompiler(hf_tok, compiler.vocab_size, compiler.eos_token_ids)
-    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend=backend)
+    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
     a, b = compiler.new_state(spec), other.new_state(spec)
     masks = new_bitmask(2, compiler.vocab_size)
     gen = torch.Generator().manual_seed(3)
@@ -273,14 +258,12 @@ def test_fill_bitmasks_matches_one_by_one(compiler, tokenizer):
 
 
 def test_accept_later_advances_with_the_next_masks(compiler, tokenizer):
-    """Tokens handed over with ``accept_later`` (the engine's way) give the same masks as ``accept``, both
-    libraries in one batch; a refused one leaves only EOS and says why."""
-    specs = [StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),  # xgrammar
-             StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend="guidance"),
-             StructuredOutputsParams(grammar=GBNF), StructuredOutputsParams(regex=PHONE, backend="xgrammar")]
+    """Tokens handed over with ``accept_later`` (the engine's way) give the same masks as ``accept``, all rows
+    advanced in one batch; a refused one leaves only EOS and says why."""
+    specs = [StructuredOutputsParams(json=PERSON, disable_any_whitespace=True), StructuredOutputsParams(choice=CHOICES),
+             StructuredOutputsParams(grammar=GBNF), StructuredOutputsParams(regex=PHONE)]
     now, later = [compiler.new_state(s) for s in specs], [compiler.new_state(s) for s in specs]
-    assert [s.backend for s in now] == ["xgrammar", "guidance", "guidance", "xgrammar"]
-    texts = ['{"name":"Al', '{"name":"Al', "Alice l", "55x"]  # "x" is refused by the phone regex
+    texts = ['{"name":"Al', "banana s", "Alice l", "55x"]  # "x" is refused by the phone regex
     tokens = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     masks_now, masks_later = new_bitmask(4, compiler.vocab_size), new_bitmask(4, compiler.vocab_size)
     for step in range(max(map(len, tokens))):
@@ -296,43 +279,13 @@ def test_accept_later_advances_with_the_next_masks(compiler, tokenizer):
     assert set(allowed_ids(masks_later[3], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
 
 
-def test_auto_takes_xgrammar_only_for_what_it_enforces(compiler):
-    """"auto": xgrammar for JSON schemas of the plain shape it was seen to enforce and for choices;
-    llguidance for regexes, grammars and every schema xgrammar fails to enforce (each case below produced
-    invalid documents on random walks under xgrammar 0.2.9)."""
-    backend = lambda **kw: compiler.compile(StructuredOutputsParams(**kw)).backend  # noqa: E731
-    assert backend(json=PERSON) == backend(choice=CHOICES) == backend(json_object=True) == "xgrammar"
-    assert backend(regex=PHONE) == backend(grammar=GBNF) == backend(grammar=LARK) == "guidance"
-    string = {"type": "string"}
-    for schema in ({"allOf": [{"type": "integer"}, {"minimum": 5}]},
-                   {"type": "string", "pattern": "^[a-z]+$", "minLength": 3},
-                   {"type": "integer", "enum": [1, "a", None]},
-                   {"$defs": {"s": string}, "type": "object", "properties": {"a": {"$ref": "#/$defs/s"}}},
-                   {"type": "object", "properties": {"a": string}, "required": ["zz"]},
-                   {"type": "object", "properties": {"a": string}, "anyOf": [{"required": ["a"]}]},
-                   {"type": "number", "multipleOf": 0.5},
-                   {"minimum": 5, "maximum": 6},
-                   {"type": "object", "patternProperties": {"^a": {"type": "integer", "minimum": 5}}}):
-        assert backend(json=schema) == "guidance", schema
-    assert backend(json=PERSON, whitespace_pattern=r"[ ]?") == "guidance"
-    assert backend(grammar=GBNF, backend="xgrammar") == "xgrammar"
-    with pytest.raises(InvalidRequestError, match="uniqueItems"):  # neither enforces it: refused, not ignored
-        compiler.compile(StructuredOutputsParams(json={"type": "array", "uniqueItems": True}))
-    with pytest.raises(InvalidRequestError, match="look-around"):
-        compiler.compile(StructuredOutputsParams(regex="(?=a)b"))
-    with pytest.raises(InvalidRequestError, match="Lookahead is not supported"):  # xgrammar's own refusal
-        compiler.compile(StructuredOutputsParams(regex="(?=a)b", backend="xgrammar"))
-    with pytest.raises(InvalidRequestError, match="backend 'outlines' is not available"):
-        StructuredOutputsParams(regex=PHONE, backend="outlines")
-
-
-def test_one_character_strings_stay_json_under_xgrammar(compiler, tokenizer):
-    """xgrammar inlines a ``maxLength: 1`` string's character class, which admitted a raw tab; mended."""
+def test_one_character_strings_stay_json(compiler, tokenizer):
+    """Strings of at most one character, alone and in an array, stay JSON (xgrammar admitted a raw tab there)."""
     schema = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 1},
                                                "l": {"type": "array", "items": {"type": "string", "maxLength": 1},
                                                      "maxItems": 2}},
               "required": ["c", "l"], "additionalProperties": False}
-    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True, backend="xgrammar")
+    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     gen = torch.Generator().manual_seed(11)
     ended = 0
     for _ in range(40):
@@ -344,27 +297,25 @@ def test_one_character_strings_stay_json_under_xgrammar(compiler, tokenizer):
     assert ended >= 20
 
 
-def test_complete_json_allows_only_eos_on_both_libraries(compiler, tokenizer):
-    """A closed object can only stop: ``is_terminated`` before EOS on both libraries (xgrammar's own matcher
-    terminates only once it accepts EOS), and the engine's EOS then ends it."""
-    for backend in ("guidance", "xgrammar"):
-        state = compiler.new_state(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend=backend))
-        for token in tokenizer.encode('{"name":"A","age":3,"ok":true}', add_special_tokens=False):
-            assert not state.is_terminated
-            assert state.accept(token), backend
-        assert state.is_terminated and state.error is None
-        mask = new_bitmask(1, compiler.vocab_size)
-        state.fill_bitmask(mask, 0)
-        assert set(allowed_ids(mask[0], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
-        assert state.accept(min(compiler.eos_token_ids)) and state.is_terminated
+def test_complete_json_allows_only_eos(compiler, tokenizer):
+    """A closed object can only stop: ``is_terminated`` before EOS, and the engine's EOS then ends it."""
+    state = compiler.new_state(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True))
+    for token in tokenizer.encode('{"name":"A","age":3,"ok":true}', add_special_tokens=False):
+        assert not state.is_terminated
+        assert state.accept(token)
+    assert state.is_terminated and state.error is None
+    mask = new_bitmask(1, compiler.vocab_size)
+    state.fill_bitmask(mask, 0)
+    assert set(allowed_ids(mask[0], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
+    assert state.accept(min(compiler.eos_token_ids)) and state.is_terminated
 
 
 def test_sequences_of_one_grammar_spread_over_independent_templates(source, tokenizer):
-    """Sequences of one llguidance grammar are dealt over separately built templates (so llguidance can fill
-    their masks in parallel) and every lane gives the same masks after the same tokens."""
+    """Sequences of one grammar are dealt over separately built templates (so llguidance can fill their
+    masks in parallel) and every lane gives the same masks after the same tokens."""
     lanes = 3
     compiler = GrammarCompiler(tokenizer, source.config.vocab_size, frozenset(source.config.eos_token_ids), lanes=lanes)
-    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend="guidance")
+    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
     states = [compiler.new_state(spec) for _ in range(lanes + 2)]
     compiled = compiler.compile(spec)
     assert len(compiled._templates) == lanes

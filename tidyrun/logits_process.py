@@ -97,7 +97,7 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     for row, seq in enumerate(seqs):
         p = seq.params
         banned = stop_token_bans(seq, eos_token_ids)
-        # Asked only where it matters: whether a grammar is complete can cost a mask (xgrammar's).
+        # Whether the grammar is complete matters only below min_tokens or with ignore_eos.
         if seq.grammar is not None and (banned or p.ignore_eos):
             if seq.grammar.is_terminated:  # a complete grammar allows only EOS: it wins over min_tokens
                 banned = set()

@@ -42,10 +42,6 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-# vLLM's names of the grammar libraries tidyrun has (None: "auto").
-STRUCTURED_BACKENDS = (None, "auto", "xgrammar", "guidance", "llguidance")
-
-
 @dataclass
 class StructuredOutputsParams:
     """Constrain a completion to a JSON schema, a regular expression, one of a list of choices, or a
@@ -53,12 +49,8 @@ class StructuredOutputsParams:
 
     ``json`` takes a schema as a dict or a JSON string; ``json_object=True``
     asks for any JSON object. ``disable_any_whitespace`` makes JSON compact.
-    ``backend`` picks the grammar library with vLLM's names: None / "auto"
-    (xgrammar where it enforces the whole request, else llguidance),
-    "xgrammar", "guidance" / "llguidance"; ``disable_fallback`` keeps
-    xgrammar's refusal under "auto" instead of trying llguidance
-    (``tidyrun/structured/compiler.py``). ``whitespace_pattern`` sets JSON's
-    whitespace (llguidance).
+    ``backend`` / ``disable_fallback`` / ``whitespace_pattern`` are accepted
+    for vLLM compatibility (tidyrun has one backend).
     """
 
     json: str | dict | None = None
@@ -103,9 +95,8 @@ class StructuredOutputsParams:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) for c in self.choice)):
                 raise InvalidRequestError("structured outputs: choice must be a non-empty list of strings")
-        if self.backend not in STRUCTURED_BACKENDS:
-            raise InvalidRequestError(f"structured outputs: backend {self.backend!r} is not available in tidyrun; "
-                                      f"use one of {list(STRUCTURED_BACKENDS)}")
+        if self.backend not in (None, "auto", "guidance", "llguidance", "xgrammar", "outlines"):
+            raise InvalidRequestError(f"structured outputs: unknown backend {self.backend!r}")
 
 
 # vLLM's earlier name (TRL < 0.22 and many scripts import it), same fields.

@@ -1,10 +1,4 @@
-"""The llguidance backend: Lark / GBNF grammars, and what xgrammar does not enforce (``compiler.py`` chooses).
-
-llguidance compiles any grammar in about a millisecond and covers more of
-JSON Schema than xgrammar; its masks cost more per token (tens to hundreds
-of microseconds on the default model's 49k vocabulary, ~0.3-1 ms inside a
-length-bounded string), which is why it is not the default for JSON.
-"""
+"""llguidance's side of structured outputs: compiled grammars, their states, its thread pool."""
 
 from __future__ import annotations
 
@@ -35,8 +29,6 @@ class GuidanceGrammar:
     against 2.71 ms from 12 (12 threads); a template costs ~1 KiB, so lanes default to 64.
     """
 
-    backend = "guidance"
-
     def __init__(self, kind: str, grammar: str, build: Callable[[], llguidance.LLMatcher], lanes: int,
                  layout: MaskLayout) -> None:
         self.kind = kind
@@ -62,8 +54,6 @@ class GuidanceGrammar:
 
 
 class GuidanceState(GrammarState):
-    backend = "guidance"
-
     def __init__(self, matcher: llguidance.LLMatcher, layout: MaskLayout, compiler) -> None:
         super().__init__(layout, compiler)
         self.matcher = matcher

@@ -1,7 +1,7 @@
 """The token mask: a host int32 bitmask per sequence, and its application to the logits on their device.
 
-Bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed: the layout both
-grammar libraries (llguidance, xgrammar) write.
+Bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed: the layout
+llguidance writes.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 
 class MaskLayout:
-    """How a grammar library's mask (one bit per tokenizer token) maps onto the logits' width.
+    """How llguidance's mask (one bit per tokenizer token) maps onto the logits' width.
 
-    The libraries are built with ``n_vocab = max(vocab_size, len(tokenizer))``:
+    llguidance is built with ``n_vocab = max(vocab_size, len(tokenizer))``:
     when the logits are wider than the tokenizer the padding tokens have no
     bytes and are never allowed; when the tokenizer is wider (added tokens the
     model cannot produce) the mask is cut to the logits' width (through a
@@ -66,8 +66,7 @@ class MaskLayout:
         return not bool(rest.any())
 
     def clear_tail(self, row: torch.Tensor) -> None:
-        """Clear the bits of the last word that lie past ``vocab_size`` (xgrammar sets them; a cut mask has
-        tokens there)."""
+        """Clear the bits of the last word that lie past ``vocab_size`` (a cut mask has tokens there)."""
         extra = self.words * 32 - self.vocab_size
         if extra:
             row[-1] &= (1 << (32 - extra)) - 1
@@ -99,7 +98,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
     when ``rows`` is None). One copy of the mask to the device, then
     vectorized unpacking (no loop over tokens); the unpacked mask takes one
     byte per token (the words are read as little-endian bytes, as on every
-    platform torch and the grammar libraries run on).
+    platform torch and llguidance run on).
     """
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError(f"need logits [N, vocab] and an int32 bitmask [R, words]; got {tuple(logits.shape)} "

@@ -1,4 +1,4 @@
-"""What a ``StructuredOutputsParams`` asks for, in the forms both grammar backends read."""
+"""What a ``StructuredOutputsParams`` asks for: its schema, its cache key, its errors."""
 
 from __future__ import annotations
 
@@ -60,16 +60,14 @@ def _close_objects(node) -> None:
 def cache_key(spec: StructuredOutputsParams) -> tuple:
     """What determines the compiled grammar; dict order is kept (it orders the JSON properties)."""
     kind = spec.kind
-    how = (spec.backend or "auto", spec.disable_fallback)
     if kind == "json":
         try:
             value = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
         except (TypeError, ValueError) as exc:  # a dict holding sets, objects, cycles ...
             raise invalid("json", f"not serializable as JSON ({exc})") from None
-        return (kind, value, spec.disable_any_whitespace, spec.whitespace_pattern, spec.disable_additional_properties,
-                *how)
+        return (kind, value, spec.disable_any_whitespace, spec.whitespace_pattern, spec.disable_additional_properties)
     if kind == "json_object":
-        return (kind, spec.disable_any_whitespace, spec.whitespace_pattern, *how)
+        return (kind, spec.disable_any_whitespace, spec.whitespace_pattern)
     if kind == "choice":
-        return (kind, tuple(spec.choice), *how)
-    return (kind, getattr(spec, kind), *how)
+        return (kind, tuple(spec.choice))
+    return (kind, getattr(spec, kind))
