@@ -237,6 +237,32 @@ def test_hf_folder_tokenizer_gives_the_same_masks(tmp_path, tokenizer, compiler)
             break
 
 
+def test_byte_level_tokenizer_with_a_sentencepiece_style_decoder(tokenizer, compiler):
+    """transformers 5.17 builds the default model's GGUF tokenizer with the decoder ByteFallback, Fuse,
+    Replace("▁"), ByteLevel (it decodes right); llguidance read ``Ġsplit`` as ``Äsplit`` from it and refused
+    tokens its own masks allowed. Same masks and walks as with the plain decoder."""
+    import copy
+
+    from tokenizers import decoders
+
+    hf = copy.deepcopy(tokenizer.hf_tokenizer)
+    hf.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                                      decoders.Replace("▁", " "), decoders.ByteLevel()])
+    other = GrammarCompiler(Tokenizer(hf, eos_token_ids=sorted(compiler.eos_token_ids)), compiler.vocab_size,
+                            compiler.eos_token_ids)
+    for spec, text in ((StructuredOutputsParams(choice=CHOICES), "banana split"),
+                       (StructuredOutputsParams(grammar=GBNF), "Alice likes.")):
+        a, b = compiler.new_state(spec), other.new_state(spec)
+        masks = new_bitmask(2, compiler.vocab_size)
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            a.fill_bitmask(masks, 0)
+            b.fill_bitmask(masks, 1)
+            assert torch.equal(masks[0], masks[1]), text
+            assert b.accept(token), b.error
+            a.accept(token)
+        assert b.is_terminated
+
+
 def test_fill_bitmasks_matches_one_by_one(compiler, tokenizer):
     specs = [StructuredOutputsParams(regex=PHONE), StructuredOutputsParams(choice=CHOICES),
              StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
 
@@ -120,12 +121,46 @@ class GuidanceBackend:
 
                 eos = self._layout.eos_token_ids or None  # None: the tokenizer's own eos token
                 try:
-                    self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._layout.lib_vocab,
-                                                                   eos_token=eos)
+                    mended = _byte_level_decoding(self._hf_tokenizer)
+                    self._tokenizer = (
+                        llguidance.LLTokenizer(mended, n_vocab=self._layout.lib_vocab, eos_token=eos) if mended
+                        else llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._layout.lib_vocab,
+                                                          eos_token=eos))
                 except ValueError as exc:  # a slow (Python) tokenizer, or one llguidance cannot read
                     raise InvalidRequestError(f"structured outputs are not available for this model's tokenizer "
                                               f"({type(self._hf_tokenizer).__name__}): {exc}") from exc
             return self._tokenizer
+
+
+def _byte_level_decoding(hf_tokenizer) -> str | None:
+    """The tokenizer's JSON with a plain ByteLevel decoder, when it pre-tokenizes byte-level but decodes
+    otherwise; None when nothing needs mending.
+
+    Why: transformers 5.17 builds GGUF byte-level tokenizers (the default model's) with the decoder
+    ``Sequence[ByteFallback, Fuse, Replace("▁", " "), ByteLevel]``. Its own decoding is right, but llguidance
+    then reads the vocabulary as sentencepiece pieces, ``Ġsplit`` as the bytes ``Äsplit``, and refuses the
+    tokens its own masks allowed (found on the H200 host; transformers 5.25 builds a plain ByteLevel
+    decoder).
+    """
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    data = json.loads(backend.to_str())
+    decoder = data.get("decoder") or {}
+    if not _has_type(data.get("pre_tokenizer"), "ByteLevel") or decoder.get("type") == "ByteLevel":
+        return None
+    data["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    data["padding"] = data["truncation"] = None
+    return json.dumps(data)
+
+
+def _has_type(node, kind: str) -> bool:
+    """Whether a tokenizers component (JSON), or one inside a Sequence of them, is of ``kind``."""
+    if isinstance(node, dict):
+        return node.get("type") == kind or any(_has_type(v, kind) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_type(v, kind) for v in node)
+    return False
 
 
 def _json_options(spec: StructuredOutputsParams) -> dict:
