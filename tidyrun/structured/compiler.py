@@ -47,8 +47,8 @@ class GrammarCompiler:
             raise ValueError(f"threads must be at least 1, got {threads}")
         if lanes < 1:
             raise ValueError(f"lanes must be at least 1, got {lanes}")
-        self._layout = MaskLayout(self.vocab_size, max(self.vocab_size, len(tokenizer)), self.eos_token_ids)
-        self._backend = GuidanceBackend(tokenizer.hf_tokenizer, self._layout, threads, lanes)
+        self._layout = MaskLayout(self.vocab_size, max(self.vocab_size, len(tokenizer)))
+        self._backend = GuidanceBackend(tokenizer.hf_tokenizer, self._layout, self.eos_token_ids, threads, lanes)
         self._cache: OrderedDict[tuple, GuidanceGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -82,16 +82,9 @@ class GrammarCompiler:
     def advance(self, states: Sequence[GrammarState]) -> None:
         """Advance every state past its token handed over with ``accept_later``, all rows together on
         llguidance's threads."""
-        waiting = [(s, s.take_pending()) for s in states]
-        waiting = [(s, t) for s, t in waiting if t is not None]
-        valid = [(s, t) for s, t in waiting if t >= 0]
-        for state, token in waiting:
-            if token < 0:
-                state._record(token, False)
-        if valid:
-            results = self._backend.advance_many([s for s, _ in valid], [t for _, t in valid])
-            for (state, token), ok in zip(valid, results):
-                state._record(token, bool(ok))
+        waiting = [(s, t) for s in states if (t := s.take_pending()) is not None]
+        if waiting:
+            self._backend.advance_many([s for s, _ in waiting], [t for _, t in waiting])
 
     def fill_bitmasks(self, states: Sequence[GrammarState], bitmask: torch.Tensor,
                       rows: Sequence[int] | None = None) -> None:
@@ -107,12 +100,5 @@ class GrammarCompiler:
             raise ValueError(f"{len(states)} states but {len(rows)} rows")
         self._layout.check_rows(bitmask, rows)
         self.advance(states)
-        live, live_rows = [], []
-        for state, row in zip(states, rows):
-            if state._refused is not None:
-                self._layout.stop_only(bitmask, row)
-            else:
-                live.append(state)
-                live_rows.append(row)
-        if live:
-            self._backend.fill_many(live, bitmask, live_rows)
+        if states:
+            self._backend.fill_many(states, bitmask, rows)

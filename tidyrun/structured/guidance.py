@@ -44,44 +44,23 @@ class GuidanceGrammar:
         self._next = 0
         self._lock = threading.Lock()
 
-    def new_state(self, compiler) -> GuidanceState:
+    def new_state(self, compiler) -> GrammarState:
         with self._lock:
             lane = self._next % self._lanes
             self._next += 1
             if lane == len(self._templates):
                 self._templates.append(self._build())
             template = self._templates[lane]
-        return GuidanceState(template.deep_copy(), self._layout, compiler)
-
-
-class GuidanceState(GrammarState):
-    def __init__(self, matcher: llguidance.LLMatcher, layout: MaskLayout, compiler) -> None:
-        super().__init__(layout, compiler)
-        self.matcher = matcher
-
-    def _advance(self, token_id: int) -> bool:
-        return self.matcher.consume_token(token_id)
-
-    def _why_refused(self, token_id: int) -> str:
-        return self.matcher.get_error() or f"token {token_id} is not allowed here"
-
-    def _complete(self) -> bool:
-        return self.matcher.is_stopped()
-
-    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._layout.direct:
-            self.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), self._layout.words * 4)
-            self._layout.clear_tail(bitmask[row])
-        else:
-            wide = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
-            self._layout.write_wide(wide, bitmask, row)
+        return GrammarState(template.deep_copy(), self._layout, compiler)
 
 
 class GuidanceBackend:
     """llguidance's view of the tokenizer (~1 s to build, so built on first use) and its thread pool."""
 
-    def __init__(self, hf_tokenizer, layout: MaskLayout, threads: int, lanes: int) -> None:
+    def __init__(self, hf_tokenizer, layout: MaskLayout, eos_token_ids: frozenset[int], threads: int,
+                 lanes: int) -> None:
         self._hf_tokenizer = hf_tokenizer
+        self._eos_token_ids = sorted(eos_token_ids)
         self._layout = layout
         self._threads = threads
         self._lanes = lanes
@@ -95,18 +74,21 @@ class GuidanceBackend:
         return GuidanceGrammar(spec.kind, grammar, lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0),
                                self._lanes, self._layout)
 
-    def advance_many(self, states: Sequence[GuidanceState], tokens: Sequence[int]) -> list[bool]:
-        return self._pool().consume_token_par([(s.matcher, t) for s, t in zip(states, tokens)])
+    def advance_many(self, states: Sequence[GrammarState], tokens: Sequence[int]) -> None:
+        """Each state past its token, on the pool's threads (a refused token leaves that matcher in llguidance's
+        error state, as ``consume_token`` does)."""
+        self._pool().consume_token_par([(s.matcher, t) for s, t in zip(states, tokens)])
 
-    def fill_many(self, states: Sequence[GuidanceState], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    def fill_many(self, states: Sequence[GrammarState], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         if not self._layout.direct or not bitmask.is_contiguous():
             for state, row in zip(states, rows):
-                state._fill(bitmask, row)
+                state.fill_unchecked(bitmask, row)
             return
         self._pool().unsafe_compute_mask_ptr([(s.matcher, r) for s, r in zip(states, rows)], bitmask.data_ptr(),
                                              self._layout.words * 4, bitmask.shape[0])
-        for row in rows:
-            self._layout.clear_tail(bitmask[row])
+        if self._layout.cut:
+            for row in rows:
+                self._layout.clear_tail(bitmask[row])
 
     def _pool(self) -> llguidance.LLExecutor:
         with self._lock:
@@ -119,7 +101,7 @@ class GuidanceBackend:
             if self._tokenizer is None:
                 import llguidance.hf
 
-                eos = self._layout.eos_token_ids or None  # None: the tokenizer's own eos token
+                eos = self._eos_token_ids or None  # None: the tokenizer's own eos token
                 try:
                     mended = _byte_level_decoding(self._hf_tokenizer)
                     self._tokenizer = (

@@ -6,8 +6,6 @@ llguidance writes.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 import torch
 
 
@@ -22,12 +20,12 @@ class MaskLayout:
     cleared.
     """
 
-    def __init__(self, vocab_size: int, lib_vocab: int, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, vocab_size: int, lib_vocab: int) -> None:
         self.vocab_size = vocab_size
         self.lib_vocab = lib_vocab
         self.words = (vocab_size + 31) // 32
         self.lib_words = (lib_vocab + 31) // 32
-        self.eos_token_ids = sorted(eos_token_ids)
+        self.cut = lib_vocab > vocab_size
 
     @property
     def direct(self) -> bool:
@@ -45,36 +43,11 @@ class MaskLayout:
         if any(not 0 <= r < bitmask.shape[0] for r in rows) or len(set(rows)) != len(rows):
             raise IndexError(f"bitmask rows must be distinct and below {bitmask.shape[0]}, got {rows}")
 
-    def write_wide(self, wide: torch.Tensor, bitmask: torch.Tensor, row: int) -> None:
-        """Copy a library-width mask row (int32 [lib_words]) into ``bitmask[row]``, cut to the logits."""
-        bitmask[row].copy_(wide[:self.words])
-        self.clear_tail(bitmask[row])
-
-    def stop_only(self, bitmask: torch.Tensor, row: int) -> None:
-        """Allow only the EOS ids in ``bitmask[row]`` (a complete or refused grammar: the sequence may only stop)."""
-        target = bitmask[row]
-        target.zero_()
-        for token in self.eos_token_ids:
-            target[token // 32] |= _bit(token % 32)
-
-    def only_stop_allowed(self, wide: torch.Tensor) -> bool:
-        """Whether a library-width mask row allows nothing but EOS ids."""
-        rest = wide.clone()
-        for token in self.eos_token_ids:
-            if token < self.lib_vocab:
-                rest[token // 32] &= ~_bit(token % 32)
-        return not bool(rest.any())
-
     def clear_tail(self, row: torch.Tensor) -> None:
-        """Clear the bits of the last word that lie past ``vocab_size`` (a cut mask has tokens there)."""
+        """Clear the bits of the last word that lie past ``vocab_size`` (tokens a cut mask still has there)."""
         extra = self.words * 32 - self.vocab_size
-        if extra:
+        if self.cut and extra:
             row[-1] &= (1 << (32 - extra)) - 1
-
-
-def _bit(k: int) -> int:
-    """Bit ``k`` of an int32 word as a Python int torch accepts (bit 31 is the sign bit)."""
-    return (1 << k) - (1 << 32 if k == 31 else 0)
 
 
 def new_bitmask(rows: int, vocab_size: int, allow_all: bool = True) -> torch.Tensor:

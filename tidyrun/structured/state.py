@@ -2,79 +2,61 @@
 
 from __future__ import annotations
 
+import llguidance
 import torch
 
 from .mask import MaskLayout
 
 
 class GrammarState:
-    """Per generated sequence: where the sequence is in its grammar (``guidance.GuidanceState`` is the
-    library's side).
+    """Per generated sequence: where the sequence is in its grammar (an llguidance matcher, host only).
 
     Not thread-safe: one sequence's state is advanced by one thread at a time.
 
     Why ``accept_later``: the engine hands each sampled token over without
     advancing the grammar; the advance runs with the next step's masks
-    (``GrammarCompiler.fill_bitmasks`` advances all rows together, on
-    llguidance's threads), which the runner computes while the device runs
-    that step's forward pass, instead of one row at a time in the step's
-    update (on the H200, 64 JSON rows of the 1.2B shape: 134-135 against
-    139 us a token before, docs/BENCHMARKS.md).
+    (``GrammarCompiler.advance`` / ``fill_bitmasks`` advance all rows
+    together, on llguidance's threads), which the runner computes while the
+    device runs that step's forward pass, instead of one row at a time in the
+    step's update (on the H200, 64 JSON rows of the 1.2B shape: 134-135
+    against 139 us a token before, docs/BENCHMARKS.md).
 
-    A refused token (one the grammar does not allow) leaves the state able
-    only to stop: its masks allow only the EOS ids and ``error`` says why.
+    A refused token (one the grammar does not allow) leaves the matcher in
+    llguidance's error state: its masks allow only the EOS ids and ``error``
+    says why.
     """
 
-    def __init__(self, layout: MaskLayout, compiler) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, layout: MaskLayout, compiler) -> None:
+        self.matcher = matcher
         self._layout = layout
         self.compiler = compiler  # fills the masks of a whole step at once (``GrammarCompiler.fill_bitmasks``)
         self._pending: int | None = None
-        self._refused: str | None = None
-
-    # -- what a backend provides ---------------------------------------------------------
-
-    def _advance(self, token_id: int) -> bool:
-        """The library's advance past one token; False if refused."""
-        raise NotImplementedError
-
-    def _why_refused(self, token_id: int) -> str:
-        raise NotImplementedError
-
-    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """The library's mask for the current state into ``bitmask[row]`` (checked, cut to the logits)."""
-        raise NotImplementedError
-
-    def _complete(self) -> bool:
-        """The grammar allows nothing but EOS from here (or EOS was accepted)."""
-        raise NotImplementedError
-
-    # -- the engine's view ------------------------------------------------------------------
 
     def accept(self, token_id: int) -> bool:
-        """Advance past ``token_id`` now; False if the grammar did not allow it (the state then allows only EOS)."""
+        """Advance past ``token_id`` now; False if the grammar did not allow it (the state then allows only EOS).
+        A negative id is no token: False, and the state is unchanged."""
         self.flush()
-        return self._record(int(token_id), self._advance(int(token_id)) if int(token_id) >= 0 else False)
+        token_id = int(token_id)
+        return token_id >= 0 and self.matcher.consume_token(token_id)
 
     def accept_later(self, token_id: int) -> None:
         """Hand over a sampled token; the grammar advances past it before its next mask or query."""
+        token_id = int(token_id)
+        if token_id < 0:
+            raise ValueError(f"a sampled token id cannot be negative, got {token_id}")
         self.flush()
-        self._pending = int(token_id)
+        self._pending = token_id
 
     def flush(self) -> None:
         """Advance past a token handed over with ``accept_later``, if one waits."""
         if self._pending is not None:
             token, self._pending = self._pending, None
-            self._record(token, self._advance(token) if token >= 0 else False)
+            self.matcher.consume_token(token)
 
     def take_pending(self) -> int | None:
-        """The waiting token, now the caller's to advance (``GrammarCompiler`` batches them; it calls ``_record``)."""
+        """The waiting token, now the caller's to advance (``GrammarCompiler.advance`` batches them)."""
         token, self._pending = self._pending, None
         return token
-
-    def _record(self, token_id: int, ok: bool) -> bool:
-        if not ok and self._refused is None:
-            self._refused = self._why_refused(token_id) if token_id >= 0 else f"token id {token_id} is not a token"
-        return ok
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed at the next step into ``bitmask[row]`` (int32 [rows, ceil(vocab/32)], CPU).
@@ -86,19 +68,26 @@ class GrammarState:
         if not 0 <= row < bitmask.shape[0]:
             raise IndexError(f"bitmask row {row} out of range for {bitmask.shape[0]} rows")
         self.flush()
-        if self._refused is not None:
-            self._layout.stop_only(bitmask, row)
+        self.fill_unchecked(bitmask, row)
+
+    def fill_unchecked(self, bitmask: torch.Tensor, row: int) -> None:
+        """``fill_bitmask`` for a caller that checked the bitmask and advanced the state."""
+        target = bitmask[row]
+        if self._layout.direct:
+            self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), self._layout.words * 4)
         else:
-            self._fill(bitmask, row)
+            wide = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+            target.copy_(wide[:self._layout.words])
+        self._layout.clear_tail(target)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete (or the state refused a token): only EOS is allowed."""
         self.flush()
-        return self._refused is not None or self._complete()
+        return self.matcher.is_stopped()
 
     @property
     def error(self) -> str | None:
         """Why the state refused a token, or None while every accepted token was allowed."""
         self.flush()
-        return self._refused
+        return self.matcher.get_error() or None
