@@ -273,6 +273,27 @@ def test_race_and_sort_paths_sample_the_same_distribution():
         assert (counts / counts.sum() - want).abs().max().item() < 0.015, params
 
 
+def test_noise_drawn_ahead_gives_the_same_tokens():
+    """``draw_race`` before the logits are final (the runner draws it while a grammar mask is filled) makes
+    the draws ``__call__`` would: same tokens from equally seeded generators, racing, filtered and greedy
+    rows mixed; a batch without racing rows draws nothing."""
+    from tidyrun.sampling import Sampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300)
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0), SamplingParams(top_k=7),
+              SamplingParams(temperature=1.3), SamplingParams(top_p=0.5)]
+    sampler = Sampler()
+    for _ in range(3):
+        seeds = [torch.Generator().manual_seed(i) for i in range(5)]
+        ahead = [torch.Generator().manual_seed(i) for i in range(5)]
+        race = sampler.draw_race(logits, params, ahead)
+        assert race.rows == [0, 3]
+        assert torch.equal(sampler(logits, params, ahead, race), sampler(logits, params, seeds))
+        logits = torch.randn(5, 300)
+    assert sampler.draw_race(logits, [params[1], params[2]], [None, None]).noise is None
+
+
 def test_min_p_filters_before_top_p_as_vllm_does():
     """vLLM applies min-p to the whole tempered distribution, then top-k/top-p to what is left. With
     probabilities 0.4, 0.3, 0.2, 0.1, min_p=0.3 drops 0.1 (below 0.12); top_p=0.75 on the renormalised

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import numpy as np
@@ -305,6 +306,59 @@ def test_accept_later_advances_with_the_next_masks(compiler, tokenizer):
     assert set(allowed_ids(masks_later[3], compiler.vocab_size).tolist()) == set(compiler.eos_token_ids)
 
 
+def test_fill_later_matches_fill_bitmasks_and_its_thread_ends_at_close(source, tokenizer, monkeypatch):
+    """Masks filled on the compiler's thread (the engine's way) equal the same step filled in the caller's
+    thread; a fill that fails re-raises where it is awaited; ``close`` joins the thread and refuses more."""
+    compiler = GrammarCompiler(tokenizer, source.config.vocab_size, frozenset(source.config.eos_token_ids))
+    specs = [StructuredOutputsParams(json=PERSON, disable_any_whitespace=True), StructuredOutputsParams(regex=PHONE),
+             StructuredOutputsParams(choice=CHOICES)]
+    later, here = [compiler.new_state(s) for s in specs], [compiler.new_state(s) for s in specs]
+    texts = ['{"name":"Alice","age":3', "555-01", "banana s"]
+    tokens = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for step in range(max(map(len, tokens))):
+        for i, ids in enumerate(tokens):
+            if step < len(ids):
+                later[i].accept_later(ids[step])
+                here[i].accept_later(ids[step])
+        pending = compiler.fill_later(later)
+        expected = new_bitmask(len(here), compiler.vocab_size)
+        compiler.fill_bitmasks(here, expected)
+        assert torch.equal(pending.wait(), expected), step
+    workers = [t for t in threading.enumerate() if t.name.startswith("tidyrun-grammar-masks")]
+    assert len(workers) == 1
+    def boom(*args):
+        raise OSError("the library failed")
+
+    monkeypatch.setattr(compiler._backend, "fill_many", boom)
+    with pytest.raises(OSError, match="the library failed"):
+        compiler.fill_later(later).wait()
+    compiler.close()
+    compiler.close()
+    assert not workers[0].is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        compiler.fill_later(later)
+
+
+def test_process_logits_refuses_masks_of_other_rows(compiler, tokenizer):
+    """Masks started for other sequences than the batch's grammar rows are a bug, said as one (the fill is
+    awaited first, so the states are free again); the right ones mask each row to its grammar."""
+    from tidyrun.logits_process import process_logits
+    from tidyrun.sequence import Sequence
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=PHONE))
+    seqs = [Sequence(i, f"r{i}", 0, [1, 2, 3], params, tokenizer, None,
+                     grammar=compiler.new_state(params.structured_outputs)) for i in range(2)]
+    masks = compiler.fill_later([seqs[1].grammar, seqs[0].grammar])
+    with pytest.raises(RuntimeError, match="not those of this batch"):
+        process_logits(torch.zeros(2, compiler.vocab_size), seqs, compiler.eos_token_ids, masks)
+    logits = torch.zeros(2, compiler.vocab_size)
+    process_logits(logits, seqs, compiler.eos_token_ids, compiler.fill_later([s.grammar for s in seqs]))
+    expected = new_bitmask(1, compiler.vocab_size)
+    compiler.new_state(params.structured_outputs).fill_bitmask(expected, 0)
+    for row in logits:
+        assert torch.isfinite(row).nonzero()[:, 0].tolist() == allowed_ids(expected[0], compiler.vocab_size).tolist()
+
+
 def test_one_character_strings_stay_json(compiler, tokenizer):
     """Strings of at most one character, alone and in an array, stay JSON (xgrammar admitted a raw tab there)."""
     schema = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 1},
@@ -504,6 +558,7 @@ def test_engine_generates_only_valid_structured_outputs():
         prompts.append(prompt)
         params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured_outputs=spec))
         checks.append(check)
+    others = set(threading.enumerate())
     llm = LLM(dtype="float32", device="cpu", max_model_len=512)
     try:
         # One request first, so an engine that ignores the constraint fails in seconds, not after 200 generations.
@@ -512,8 +567,11 @@ def test_engine_generates_only_valid_structured_outputs():
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        mask_threads = [t for t in set(threading.enumerate()) - others if t.name.startswith("tidyrun-grammar-masks")]
+        assert mask_threads  # the engine filled its masks on its compiler's thread
     finally:
         llm.shutdown()
+    assert not any(t.is_alive() for t in mask_threads)  # shutdown joined it
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"\n200 structured requests: {elapsed:.1f} s, {tokens} tokens")
     bad = [(o.outputs[0].text, o.outputs[0].finish_reason) for o, check in zip(outputs, checks)

@@ -749,6 +749,7 @@ class LLM:
         outputs, self._pending_outputs = self._pending_outputs, []
         aborted = [o for o in outputs if any(c.finish_reason == "abort" for c in o.outputs)]
         unclaimed = [o for o in outputs if o not in aborted]
+        self._grammars.close()  # its mask thread (host only; no step runs now)
         self._finalizer.detach()
         runner, self.runner = self.runner, None
         try:

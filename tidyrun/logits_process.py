@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence as Seq
 import torch
 
 from .sequence import Sequence
-from .structured import apply_bitmask, new_bitmask
+from .structured import PendingMasks, apply_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -79,8 +79,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: Seq[Sequence]) 
     logits[index] = sub
 
 
-def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Collection[int]) -> None:
-    """Apply every sequence's processing to its row of ``logits`` (float32 [len(seqs), vocab]), in place."""
+def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Collection[int],
+                   masks: PendingMasks | None = None) -> None:
+    """Apply every sequence's processing to its row of ``logits`` (float32 [len(seqs), vocab]), in place.
+
+    ``masks``: the grammar rows' masks, already being filled on another thread
+    (``GrammarCompiler.fill_later``, for exactly the sequences of ``seqs``
+    that have a grammar, in order); None computes them here. The rows' other
+    rules are collected before waiting for them.
+    """
     dev, vocab = logits.device, logits.shape[-1]
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
@@ -91,30 +98,45 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     bias_values: list[float] = []
     penalty_rows: list[int] = []
     grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-    if grammar_rows:  # every row's grammar past its last token at once (the library's threads), before any query
-        grammar_states = [seqs[row].grammar for row in grammar_rows]
-        grammar_states[0].compiler.advance(grammar_states)  # one engine, one compiler
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        banned = stop_token_bans(seq, eos_token_ids)
-        # Whether the grammar is complete matters only below min_tokens or with ignore_eos.
-        if seq.grammar is not None and (banned or p.ignore_eos):
-            if seq.grammar.is_terminated:  # a complete grammar allows only EOS: it wins over min_tokens
+    grammar_states = [seqs[row].grammar for row in grammar_rows]
+    if masks is not None and (len(masks.states) != len(grammar_states)
+                              or any(a is not b for a, b in zip(masks.states, grammar_states))):
+        masks.settle()
+        raise RuntimeError("process_logits: the pending masks are not those of this batch's grammar rows")
+    if grammar_states and masks is None:  # every row's grammar past its last token at once, before any query
+        masks = grammar_states[0].compiler.fill_later(grammar_states)  # one engine, one compiler
+    deferred: list[tuple[int, set[int]]] = []  # grammar rows whose stop bans depend on the grammar's completeness
+    try:
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            banned = stop_token_bans(seq, eos_token_ids)
+            if seq.grammar is not None and (banned or p.ignore_eos):  # only then does completeness matter
+                deferred.append((row, banned))
                 banned = set()
-            elif p.ignore_eos:
-                banned.update(eos_token_ids)  # EOS would end a structured sequence: ignore_eos keeps it going
-        banned.update(bad_word_bans(seq))
+            banned.update(bad_word_bans(seq))
+            ban_rows += [row] * len(banned)
+            ban_tokens += banned
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(row)
+                allowed_ids.append(p.allowed_token_ids)
+            if p.logit_bias:
+                bias_rows += [row] * len(p.logit_bias)
+                bias_tokens += p.logit_bias.keys()
+                bias_values += p.logit_bias.values()
+            if p.has_penalties:
+                penalty_rows.append(row)
+    except BaseException:
+        if masks is not None:
+            masks.settle()  # the states go back to this thread before the error leaves
+        raise
+    bitmask = masks.wait() if masks is not None else None  # from here the states are this thread's again
+    for row, banned in deferred:
+        if seqs[row].grammar.is_terminated:  # a complete grammar allows only EOS: it wins over min_tokens
+            continue
+        if seqs[row].params.ignore_eos:
+            banned.update(eos_token_ids)  # EOS would end a structured sequence: ignore_eos keeps it going
         ban_rows += [row] * len(banned)
         ban_tokens += banned
-        if p.allowed_token_ids is not None:
-            allowed_rows.append(row)
-            allowed_ids.append(p.allowed_token_ids)
-        if p.logit_bias:
-            bias_rows += [row] * len(p.logit_bias)
-            bias_tokens += p.logit_bias.keys()
-            bias_values += p.logit_bias.values()
-        if p.has_penalties:
-            penalty_rows.append(row)
     if allowed_rows:
         keep = torch.zeros(len(allowed_rows), vocab, dtype=torch.bool)
         for i, ids in enumerate(allowed_ids):
@@ -123,9 +145,7 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
         logits[index] = logits[index].masked_fill(~keep.to(dev, non_blocking=True), _NEG_INF)
     if ban_rows:
         logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_tokens, device=dev)] = _NEG_INF
-    if grammar_rows:
-        bitmask = new_bitmask(len(grammar_rows), vocab, allow_all=False)  # fill_bitmasks writes every row
-        grammar_states[0].compiler.fill_bitmasks(grammar_states, bitmask)  # all rows on the libraries' threads
+    if bitmask is not None:
         apply_bitmask(logits, bitmask, None if len(grammar_rows) == len(seqs) else grammar_rows)  # None: no gather
     if bias_rows:
         logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_tokens, device=dev)),

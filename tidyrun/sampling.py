@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -10,6 +11,13 @@ from .sampling_params import SamplingParams
 
 
 RaceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+class RaceDraw(NamedTuple):
+    """The racing rows of a batch (indices) and their noise and scale (``race_inputs``; None without rows)."""
+    rows: list[int]
+    noise: torch.Tensor | None
+    scale: torch.Tensor | None
 
 
 class Sampler:
@@ -30,27 +38,41 @@ class Sampler:
         self.race = race or race_sample
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+                 generators: Sequence[torch.Generator | None], race: RaceDraw | None = None) -> torch.Tensor:
+        """One token per row. ``race``: the racing rows' noise from ``draw_race`` on these params and
+        generators, drawn earlier (None: drawn here)."""
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not rows:
+        if all(p.greedy for p in params):
             return tokens
         vocab, dev = logits.shape[-1], logits.device
-        racing, filtered = [], []
-        for i in rows:
-            (racing if unfiltered(params[i], vocab) else filtered).append(i)
-        if racing:
-            sub = logits if len(racing) == len(params) else logits[torch.tensor(racing, device=dev)]
-            picks, _ = self.race(sub, *race_inputs(sub, [params[i] for i in racing],
-                                                   [generators[i] for i in racing]), False)
-            if len(racing) == len(params):
+        race = race or self.draw_race(logits, params, generators)
+        if race.rows:
+            sub = logits if len(race.rows) == len(params) else logits[torch.tensor(race.rows, device=dev)]
+            picks, _ = self.race(sub, race.noise, race.scale, False)
+            if len(race.rows) == len(params):
                 return picks
-            tokens[racing] = picks
+            tokens[race.rows] = picks
+        filtered = [i for i, p in enumerate(params) if not p.greedy and not unfiltered(p, vocab)]
         if filtered:
             probs, order = self._sorted_filtered(logits[filtered].float(), [params[i] for i in filtered])
             picks = torch.stack([draw(probs[j], generators[i]) for j, i in enumerate(filtered)])
             tokens[filtered] = order[torch.arange(len(filtered), device=dev), picks]
         return tokens
+
+    @staticmethod
+    def draw_race(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]) -> RaceDraw:
+        """The noise of the rows that race (sampled, ``unfiltered``), drawn now from their generators: the same
+        draws ``__call__`` makes. Only the logits' shape and device matter, so a caller whose logits are
+        not final yet (a grammar mask still being filled on another thread) draws it first: on the H200
+        host, 64 seeded rows take ~1 ms of kernel launches, which then overlap the mask's fill."""
+        vocab = logits.shape[-1]
+        rows = [i for i, p in enumerate(params) if not p.greedy and unfiltered(p, vocab)]
+        if not rows:
+            return RaceDraw(rows, None, None)
+        noise, scale = race_inputs((len(rows), vocab), logits.device, [params[i] for i in rows],
+                                   [generators[i] for i in rows])
+        return RaceDraw(rows, noise, scale)
 
     def sample_with_logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                              generators: Sequence[torch.Generator | None]) -> list[tuple[int, float, int]]:
@@ -58,7 +80,7 @@ class Sampler:
         (the caller's to check, once per sequence: a filtered row would be sampled from its whole
         distribution): one race over the batch, one copy to the host. The tokens are those ``__call__``
         draws from the same generators."""
-        _, packed = self.race(logits, *race_inputs(logits, params, generators), True)
+        _, packed = self.race(logits, *race_inputs(logits.shape, logits.device, params, generators), True)
         return [(int(t), lp, int(r)) for t, lp, r in packed.tolist()]
 
     def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -103,12 +125,12 @@ def unfiltered(params: SamplingParams, vocab: int | None = None) -> bool:
             and params.top_p >= 1.0 and params.min_p <= 0.0)
 
 
-def race_inputs(logits: torch.Tensor, params: Sequence[SamplingParams],
+def race_inputs(shape: tuple[int, int], dev: torch.device, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The race's noise (float32 [B, vocab], Exp(1) from each sampled row's generator; greedy rows' rows
-    are left unset) and scale (float32 [B, 2]: 1 / temperature and 1 for sampled rows, 1 and 0 for greedy)."""
-    dev = logits.device
-    noise = torch.empty(logits.shape, dtype=torch.float32, device=dev)
+    """The race's noise (float32 ``shape`` [B, vocab] on ``dev``, Exp(1) from each sampled row's generator;
+    greedy rows' rows are left unset) and scale (float32 [B, 2]: 1 / temperature and 1 for sampled rows, 1 and
+    0 for greedy)."""
+    noise = torch.empty(shape, dtype=torch.float32, device=dev)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled and all(generators[i] is None for i in sampled):
         noise.exponential_()  # one draw from the global generator for the whole batch

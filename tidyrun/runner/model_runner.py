@@ -51,6 +51,7 @@ from ..sampling import Sampler, logprob_records
 from ..scheduler import ScheduledBatch
 from ..sequence import NO_TOP, PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
 from ..spec_decode import accept_greedy, verify_drafts
+from ..structured import PendingMasks
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
 from .cuda_graphs import CudaGraphManager, default_capture_sizes
 from .device import resolve_device, resolve_dtype, synchronize
@@ -426,6 +427,18 @@ class ModelRunner:
         """
         self.check_awake()
         host, seqs, prompt_rows = host_batch(batch, self.block_size)
+        # Structured rows' masks: started first, filled on the grammar compiler's thread while this one
+        # launches the forward pass and draws the sampler's noise (``GrammarCompiler.fill_later``).
+        grammars = [s.grammar for s in seqs if s.grammar is not None]
+        masks = grammars[0].compiler.fill_later(grammars) if grammars else None
+        try:
+            return self._execute(batch, host, seqs, prompt_rows, masks)
+        finally:
+            if masks is not None:
+                masks.settle()  # a step that failed before using them still waits for the fill to end
+
+    def _execute(self, batch: ScheduledBatch, host: HostBatch, seqs: list[Sequence],
+                 prompt_rows: list[PromptRows], masks: PendingMasks | None) -> StepOutput:
         step = self.forward_logits(host, self._graph_key(batch) if self.graphs is not None else None)
         if step is None:
             return StepOutput([], [])
@@ -441,7 +454,7 @@ class ModelRunner:
         if one_pass == "race":
             return StepOutput(self._race_with_logprobs(logits, seqs), prompt)
         if any(s.needs_processing for s in seqs):
-            return StepOutput(self._sample_processed(logits, seqs), prompt)
+            return StepOutput(self._sample_processed(logits, seqs, masks), prompt)
         return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
 
     def _one_pass_logprobs(self, seqs: list[Sequence]) -> str | None:
@@ -510,9 +523,11 @@ class ModelRunner:
             return accept_greedy(seq.draft_tokens, self.ops.argmax(logits).tolist())
         return verify_drafts(self.sampler, logits.float(), seq.draft_tokens, seq.params, seq.generator)
 
-    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
+    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence],
+                          masks: PendingMasks | None) -> list[SampledTokens]:
         """A step with sequences that ask for logprobs or logits processing (they never speculate; others
-        in the same step may): those are sampled together, one row each, in a few batched operations."""
+        in the same step may): those are sampled together, one row each, in a few batched operations.
+        ``masks``: those of the sequences with a grammar (all of them sample here), being filled."""
         starts = list(itertools.accumulate((1 + len(s.draft_tokens) for s in seqs), initial=0))
         out: list[SampledTokens | None] = [None] * len(seqs)
         plain = [i for i, s in enumerate(seqs) if not s.draft_tokens]
@@ -523,13 +538,15 @@ class ModelRunner:
             rows = logits if len(plain) == len(seqs) else logits[torch.tensor([starts[i] for i in plain],
                                                                               device=logits.device)]
             rows = rows.float()  # a copy when the logits are bf16; process_logits writes into it
-            for i, (token, record) in zip(plain, self._sample_rows(rows, [seqs[i] for i in plain])):
+            for i, (token, record) in zip(plain, self._sample_rows(rows, [seqs[i] for i in plain], masks)):
                 out[i] = SampledTokens(seqs[i], [token], None if record is None else [record])
         return out
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
+                     masks: PendingMasks | None) -> list[tuple[int, TokenLogprob | None]]:
         """One token per row of ``logits`` (float32, one row per sequence, modified in place) and, for the
-        sequences that asked, its logprob record in this engine's ``logprobs_mode``."""
+        sequences that asked, its logprob record in this engine's ``logprobs_mode``. ``masks``: see
+        ``process_logits``."""
         mode = self.config.logprobs_mode
         lp = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
         every = len(lp) == len(seqs)
@@ -539,8 +556,10 @@ class ModelRunner:
             untouched = not any(s.params.processes_logits or s.below_min_tokens() for s in seqs)
             raw = logits if every and untouched else None
             raw = (logits.clone() if every else logits[index]) if raw is None else raw
-        process_logits(logits, seqs, self.eos_token_ids)
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        race = self.sampler.draw_race(logits, params, generators)  # needs no logits: drawn while masks fill
+        process_logits(logits, seqs, self.eos_token_ids, masks)
+        tokens = self.sampler(logits, params, generators, race)
         if not lp:
             return [(t, None) for t in tokens.tolist()]
         if raw is not None:

@@ -40,8 +40,8 @@ token ``t`` allowed), filled per sequence on the host and applied to the
 logits on their device with one copy (``apply_bitmask``).
 """
 
-from .compiler import GrammarCompiler
+from .compiler import GrammarCompiler, PendingMasks
 from .mask import apply_bitmask, new_bitmask
 from .state import GrammarState
 
-__all__ = ("GrammarCompiler", "GrammarState", "apply_bitmask", "new_bitmask")
+__all__ = ("GrammarCompiler", "GrammarState", "PendingMasks", "apply_bitmask", "new_bitmask")

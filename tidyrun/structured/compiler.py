@@ -6,13 +6,14 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutputsParams
 from .guidance import GuidanceBackend, GuidanceGrammar
-from .mask import MaskLayout
+from .mask import MaskLayout, new_bitmask
 from .specs import cache_key
 from .state import GrammarState
 
@@ -28,6 +29,9 @@ class GrammarCompiler:
     of the tokenizer (~1 s to build) is built on the first ``compile``:
     engines that never see a structured request never pay for it.
     ``compile`` / ``new_state`` may be called from several threads.
+
+    Owns one host worker thread (``fill_later``; started on first use,
+    joined by ``close``) and llguidance's pool; no device memory.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], threads: int | None = None,
@@ -51,6 +55,8 @@ class GrammarCompiler:
         self._backend = GuidanceBackend(tokenizer.hf_tokenizer, self._layout, self.eos_token_ids, threads, lanes)
         self._cache: OrderedDict[tuple, GuidanceGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None
+        self._closed = False
 
     # -- compiling ------------------------------------------------------------------------
 
@@ -102,3 +108,50 @@ class GrammarCompiler:
         self.advance(states)
         if states:
             self._backend.fill_many(states, bitmask, rows)
+
+    def fill_later(self, states: Sequence[GrammarState]) -> PendingMasks:
+        """Start ``fill_bitmasks`` of a new bitmask [len(states), words] on this compiler's worker thread.
+
+        Why: a step's masks take longer than the rest of its host work (on
+        the H200 host, 64 rows deep inside length-bounded JSON strings: ~1.5
+        ms against a ~1.8 ms step), so filling them on the main thread after
+        the forward pass is launched still lengthens the step. Started
+        before the launch, they are computed while the main thread launches
+        the forward pass and draws the sampler's noise; llguidance releases
+        the GIL while it works. Until ``PendingMasks.wait`` returns, the
+        states are the worker's: nothing else may touch them.
+        """
+        states = list(states)
+        bitmask = new_bitmask(len(states), self.vocab_size, allow_all=False)  # fill_bitmasks writes every row
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this GrammarCompiler is closed")
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidyrun-grammar-masks")
+            future = self._worker.submit(self.fill_bitmasks, states, bitmask)
+        return PendingMasks(states, bitmask, future)
+
+    def close(self) -> None:
+        """Join the worker thread (after the fill it may be running); idempotent. ``fill_later`` refuses after."""
+        with self._lock:
+            worker, self._worker, self._closed = self._worker, None, True
+        if worker is not None:
+            worker.shutdown(wait=True)
+
+
+class PendingMasks:
+    """A step's masks being filled on the compiler's worker thread (``GrammarCompiler.fill_later``)."""
+
+    def __init__(self, states: list[GrammarState], bitmask: torch.Tensor, future: Future) -> None:
+        self.states = states
+        self._bitmask = bitmask
+        self._future = future
+
+    def wait(self) -> torch.Tensor:
+        """The filled bitmask (host int32 [len(states), words]); re-raises what the fill raised."""
+        self._future.result()
+        return self._bitmask
+
+    def settle(self) -> None:
+        """Wait without raising: the states are the caller's again (cleanup after a failed step)."""
+        self._future.exception()
