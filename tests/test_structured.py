@@ -339,6 +339,39 @@ def test_fill_later_matches_fill_bitmasks_and_its_thread_ends_at_close(source, t
         compiler.fill_later(later)
 
 
+def test_fill_ahead_rows_serve_the_states_unchanged_since(source, tokenizer, monkeypatch):
+    """Masks started ahead (the engine's, right after a step) serve the next ``fill_later`` for the states
+    that took no token since, in any order; states new or changed since are filled then; the result equals
+    filling every row now."""
+    compiler = GrammarCompiler(tokenizer, source.config.vocab_size, frozenset(source.config.eos_token_ids))
+    specs = [StructuredOutputsParams(json=PERSON, disable_any_whitespace=True), StructuredOutputsParams(regex=PHONE),
+             StructuredOutputsParams(choice=CHOICES), StructuredOutputsParams(grammar=GBNF)]
+    texts = ['{"name":"Al', "555-0", "ba", "Alice "]
+    ours, reference = ([compiler.new_state(s) for s in specs] for _ in range(2))
+    for states in (ours, reference):
+        for state, text in zip(states, texts):
+            for token in tokenizer.encode(text, add_special_tokens=False):
+                state.accept_later(token)
+    filled = []
+    fill_bitmasks = compiler.fill_bitmasks
+    monkeypatch.setattr(compiler, "fill_bitmasks", lambda states, bitmask: (filled.append(len(states)),
+                                                                             fill_bitmasks(states, bitmask)))
+    a, b, c, d = ours
+    compiler.fill_ahead([a, b, c])
+    compiler.drain()
+    letter = tokenizer.encode("i", add_special_tokens=False)[0]
+    a.accept_later(letter)  # changed since: filled again
+    reference[0].accept_later(letter)
+    masks = compiler.fill_later([c, d, a]).wait()
+    expected = new_bitmask(3, compiler.vocab_size)
+    compiler.fill_bitmasks([reference[2], reference[3], reference[0]], expected)
+    assert torch.equal(masks, expected)
+    assert filled == [3, 2, 3]  # ahead: a, b, c; then only d and a; then the reference's three
+    again = compiler.fill_later([c, d, a]).wait()  # the fill ahead serves one step only
+    assert torch.equal(again, expected) and filled[-1] == 3
+    compiler.close()
+
+
 def test_process_logits_refuses_masks_of_other_rows(compiler, tokenizer):
     """Masks started for other sequences than the batch's grammar rows are a bug, said as one (the fill is
     awaited first, so the states are free again); the right ones mask each row to its grammar."""

@@ -7,6 +7,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -30,8 +31,9 @@ class GrammarCompiler:
     engines that never see a structured request never pay for it.
     ``compile`` / ``new_state`` may be called from several threads.
 
-    Owns one host worker thread (``fill_later``; started on first use,
-    joined by ``close``) and llguidance's pool; no device memory.
+    Owns one host worker thread (``fill_later`` / ``fill_ahead``; started
+    on first use, joined by ``close``) and llguidance's pool; no device
+    memory.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], threads: int | None = None,
@@ -56,6 +58,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, GuidanceGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
+        self._ahead: _Fill | None = None  # fill_ahead's fill, until fill_later takes it
         self._closed = False
 
     # -- compiling ------------------------------------------------------------------------
@@ -110,48 +113,109 @@ class GrammarCompiler:
             self._backend.fill_many(states, bitmask, rows)
 
     def fill_later(self, states: Sequence[GrammarState]) -> PendingMasks:
-        """Start ``fill_bitmasks`` of a new bitmask [len(states), words] on this compiler's worker thread.
+        """The masks of ``states`` (a new bitmask [len(states), words] when awaited), filled on this
+        compiler's worker thread: rows of the ``fill_ahead`` fill for the states unchanged since it
+        started, the others filled now (after it: one worker, in order).
 
         Why: a step's masks take longer than the rest of its host work (on
         the H200 host, 64 rows deep inside length-bounded JSON strings: ~1.5
         ms against a ~1.8 ms step), so filling them on the main thread after
-        the forward pass is launched still lengthens the step. Started
-        before the launch, they are computed while the main thread launches
-        the forward pass and draws the sampler's noise; llguidance releases
-        the GIL while it works. Until ``PendingMasks.wait`` returns, the
-        states are the worker's: nothing else may touch them.
+        the forward pass is launched lengthens the step by most of that.
+        Started earlier, they are computed while the main thread books the
+        last step, schedules, launches the forward pass and draws the
+        sampler's noise; llguidance releases the GIL while it works. Until
+        ``PendingMasks.wait`` returns, the states are the worker's: nothing
+        else may touch them.
         """
         states = list(states)
+        with self._lock:
+            ahead, self._ahead = self._ahead, None
+        parts, missing = [], list(range(len(states)))
+        if ahead is not None:
+            found = [(i, ahead.row_of(state)) for i, state in enumerate(states)]
+            reused = [(i, row) for i, row in found if row is not None]
+            if reused:
+                parts.append((ahead, [row for _, row in reused], [i for i, _ in reused]))
+            missing = [i for i, row in found if row is None]
+        if missing:
+            parts.append((self._submit([states[i] for i in missing]), list(range(len(missing))), missing))
+        return PendingMasks(states, parts, self._layout.words)
+
+    def fill_ahead(self, states: Sequence[GrammarState]) -> None:
+        """Start the masks of ``states``' next step now, before that step is even scheduled (the engine calls
+        this right after a step's tokens are handed over); the next ``fill_later`` takes its rows for the
+        states unchanged since. Until then the states are the worker's."""
+        fill = self._submit(list(states))
+        with self._lock:
+            self._ahead = fill
+
+    def drain(self) -> None:
+        """Wait until the worker has finished every fill started so far (their states are the caller's again)."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.submit(int).result()
+
+    def _submit(self, states: list[GrammarState]) -> _Fill:
         bitmask = new_bitmask(len(states), self.vocab_size, allow_all=False)  # fill_bitmasks writes every row
+        versions = [s.version for s in states]
         with self._lock:
             if self._closed:
                 raise RuntimeError("this GrammarCompiler is closed")
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidyrun-grammar-masks")
             future = self._worker.submit(self.fill_bitmasks, states, bitmask)
-        return PendingMasks(states, bitmask, future)
+        return _Fill(future, bitmask, states, versions, {id(s): row for row, s in enumerate(states)})
 
     def close(self) -> None:
-        """Join the worker thread (after the fill it may be running); idempotent. ``fill_later`` refuses after."""
+        """Join the worker thread (after the fills it has); idempotent. ``fill_later`` / ``fill_ahead`` refuse
+        after."""
         with self._lock:
-            worker, self._worker, self._closed = self._worker, None, True
+            worker, self._worker, self._ahead, self._closed = self._worker, None, None, True
         if worker is not None:
             worker.shutdown(wait=True)
 
 
-class PendingMasks:
-    """A step's masks being filled on the compiler's worker thread (``GrammarCompiler.fill_later``)."""
+class _Fill(NamedTuple):
+    """One fill submitted to the worker: its bitmask, and which state each row is (at which version)."""
+    future: Future
+    bitmask: torch.Tensor
+    states: list[GrammarState]
+    versions: list[int]
+    rows: dict[int, int]  # id(state) -> row
 
-    def __init__(self, states: list[GrammarState], bitmask: torch.Tensor, future: Future) -> None:
+    def row_of(self, state: GrammarState) -> int | None:
+        """The row filled for ``state`` if it has taken no token since, else None."""
+        row = self.rows.get(id(state))
+        if row is None or self.states[row] is not state or self.versions[row] != state.version:
+            return None
+        return row
+
+
+class PendingMasks:
+    """A step's masks being filled on the compiler's worker thread (``GrammarCompiler.fill_later``): parts
+    (fill, its rows, their rows here)."""
+
+    def __init__(self, states: list[GrammarState], parts: list[tuple[_Fill, list[int], list[int]]],
+                 words: int) -> None:
         self.states = states
-        self._bitmask = bitmask
-        self._future = future
+        self._parts = parts
+        self._words = words
 
     def wait(self) -> torch.Tensor:
-        """The filled bitmask (host int32 [len(states), words]); re-raises what the fill raised."""
-        self._future.result()
-        return self._bitmask
+        """The filled bitmask (host int32 [len(states), words]); re-raises what a fill raised."""
+        for fill, _, _ in self._parts:
+            fill.future.result()
+        if len(self._parts) == 1:
+            fill, src, dst = self._parts[0]
+            if fill.bitmask.shape[0] == len(self.states) and src == dst == list(range(len(self.states))):
+                return fill.bitmask  # the fill's rows are this step's, in order
+        out = torch.empty(len(self.states), self._words, dtype=torch.int32)
+        for fill, src, dst in self._parts:
+            out[dst] = fill.bitmask[src]
+        return out
 
     def settle(self) -> None:
         """Wait without raising: the states are the caller's again (cleanup after a failed step)."""
-        self._future.exception()
+        for fill, _, _ in self._parts:
+            fill.future.exception()

@@ -31,13 +31,17 @@ class GrammarState:
         self._layout = layout
         self.compiler = compiler  # fills the masks of a whole step at once (``GrammarCompiler.fill_bitmasks``)
         self._pending: int | None = None
+        self.version = 0  # tokens handed over so far: a mask filled ahead is current while it is unchanged
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id`` now; False if the grammar did not allow it (the state then allows only EOS).
         A negative id is no token: False, and the state is unchanged."""
         self.flush()
         token_id = int(token_id)
-        return token_id >= 0 and self.matcher.consume_token(token_id)
+        if token_id < 0:
+            return False
+        self.version += 1
+        return self.matcher.consume_token(token_id)
 
     def accept_later(self, token_id: int) -> None:
         """Hand over a sampled token; the grammar advances past it before its next mask or query."""
@@ -46,6 +50,7 @@ class GrammarState:
             raise ValueError(f"a sampled token id cannot be negative, got {token_id}")
         self.flush()
         self._pending = token_id
+        self.version += 1
 
     def flush(self) -> None:
         """Advance past a token handed over with ``accept_later``, if one waits."""
