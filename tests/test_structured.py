@@ -326,10 +326,12 @@ def test_fill_later_matches_fill_bitmasks_and_its_thread_ends_at_close(source, t
         assert torch.equal(pending.wait(), expected), step
     workers = [t for t in threading.enumerate() if t.name.startswith("tidyrun-grammar-masks")]
     assert len(workers) == 1
-    def boom(*args):
-        raise OSError("the library failed")
+    def broken_job(*args):
+        def boom():
+            raise OSError("the library failed")
+        return boom
 
-    monkeypatch.setattr(compiler._backend, "fill_many", boom)
+    monkeypatch.setattr(compiler._backend, "fill_job", broken_job)
     with pytest.raises(OSError, match="the library failed"):
         compiler.fill_later(later).wait()
     compiler.close()
@@ -353,9 +355,9 @@ def test_fill_ahead_rows_serve_the_states_unchanged_since(source, tokenizer, mon
             for token in tokenizer.encode(text, add_special_tokens=False):
                 state.accept_later(token)
     filled = []
-    fill_bitmasks = compiler.fill_bitmasks
-    monkeypatch.setattr(compiler, "fill_bitmasks", lambda states, bitmask: (filled.append(len(states)),
-                                                                             fill_bitmasks(states, bitmask)))
+    fill_job = compiler._backend.fill_job
+    monkeypatch.setattr(compiler._backend, "fill_job", lambda states, *rest: (filled.append(len(states)),
+                                                                               fill_job(states, *rest))[1])
     a, b, c, d = ours
     compiler.fill_ahead([a, b, c])
     compiler.drain()

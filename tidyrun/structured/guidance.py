@@ -74,21 +74,34 @@ class GuidanceBackend:
         return GuidanceGrammar(spec.kind, grammar, lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0),
                                self._lanes, self._layout)
 
-    def advance_many(self, states: Sequence[GrammarState], tokens: Sequence[int]) -> None:
-        """Each state past its token, on the pool's threads (a refused token leaves that matcher in llguidance's
-        error state, as ``consume_token`` does)."""
-        self._pool().consume_token_par([(s.matcher, t) for s, t in zip(states, tokens)])
+    def fill_job(self, states: Sequence[GrammarState], tokens: Sequence[int | None], bitmask: torch.Tensor,
+                 rows: Sequence[int]) -> Callable[[], None]:
+        """A call that advances each state past its token (None: none waits), all on the pool's threads (a
+        refused token leaves that matcher in llguidance's error state, as ``consume_token`` does), then
+        writes the states' masks into ``bitmask`` rows. Its argument lists are built here: the thread
+        that runs it holds the GIL only to enter llguidance, which releases it while it works."""
+        pool = self._pool()
+        advance = [(s.matcher, t) for s, t in zip(states, tokens) if t is not None]
+        layout = self._layout
+        if layout.direct and bitmask.is_contiguous():
+            masks = [(s.matcher, r) for s, r in zip(states, rows)]
+            ptr, row_bytes, n_rows = bitmask.data_ptr(), layout.words * 4, bitmask.shape[0]
 
-    def fill_many(self, states: Sequence[GrammarState], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-        if not self._layout.direct or not bitmask.is_contiguous():
-            for state, row in zip(states, rows):
-                state.fill_unchecked(bitmask, row)
-            return
-        self._pool().unsafe_compute_mask_ptr([(s.matcher, r) for s, r in zip(states, rows)], bitmask.data_ptr(),
-                                             self._layout.words * 4, bitmask.shape[0])
-        if self._layout.cut:
-            for row in rows:
-                self._layout.clear_tail(bitmask[row])
+            def fill() -> None:
+                if advance:
+                    pool.consume_token_par(advance)
+                if masks:
+                    pool.unsafe_compute_mask_ptr(masks, ptr, row_bytes, n_rows)
+                if layout.cut:
+                    for row in rows:
+                        layout.clear_tail(bitmask[row])
+        else:
+            def fill() -> None:
+                if advance:
+                    pool.consume_token_par(advance)
+                for state, row in zip(states, rows):
+                    state.fill_unchecked(bitmask, row)
+        return fill
 
     def _pool(self) -> llguidance.LLExecutor:
         with self._lock:

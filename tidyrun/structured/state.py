@@ -15,11 +15,13 @@ class GrammarState:
 
     Why ``accept_later``: the engine hands each sampled token over without
     advancing the grammar; the advance runs with the next step's masks
-    (``GrammarCompiler.advance`` / ``fill_bitmasks`` advance all rows
-    together, on llguidance's threads), which the runner computes while the
-    device runs that step's forward pass, instead of one row at a time in the
-    step's update (on the H200, 64 JSON rows of the 1.2B shape: 134-135
-    against 139 us a token before, docs/BENCHMARKS.md).
+    (``GrammarCompiler.fill_ahead`` / ``fill_later`` / ``fill_bitmasks``
+    advance all rows together, on llguidance's threads, off the main
+    thread), instead of one row at a time in the step's update (on the H200,
+    64 JSON rows of the 1.2B shape: 134-135 against 139 us a token, when the
+    advance first moved into the next step's fill, docs/BENCHMARKS.md).
+    While a fill that took a state's token runs, the state is that fill's:
+    the engine touches it again only after waiting for the masks.
 
     A refused token (one the grammar does not allow) leaves the matcher in
     llguidance's error state: its masks allow only the EOS ids and ``error``
@@ -59,7 +61,7 @@ class GrammarState:
             self.matcher.consume_token(token)
 
     def take_pending(self) -> int | None:
-        """The waiting token, now the caller's to advance (``GrammarCompiler.advance`` batches them)."""
+        """The waiting token, now the caller's to advance (``GrammarCompiler.fill_bitmasks`` batches them)."""
         token, self._pending = self._pending, None
         return token
 
