@@ -579,6 +579,27 @@ def e2e_check_json(text: str) -> bool:
             and type(obj["age"]) is int and 0 <= obj["age"] <= 99 and type(obj["student"]) is bool)
 
 
+def test_engine_fills_each_step_masks_once():
+    """The engine starts a step's masks right after the previous step (``fill_ahead``) and the step takes
+    them: every sampled token's mask is filled once (twice would mean the fill ahead is thrown away)."""
+    llm = LLM(dtype="float32", device="cpu", max_model_len=512)
+    filled = []
+    try:
+        backend = llm._grammars._backend
+        fill_job = backend.fill_job
+        backend.fill_job = lambda states, *rest: (filled.append(len(states)), fill_job(states, *rest))[1]
+        spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=spec) for i in range(4)]
+        outputs = llm.generate(["A person as JSON: "] * 4, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for o in outputs:
+        check_person(json.loads(o.outputs[0].text))
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    # One mask per sampled token, plus at most one ahead per request left unused after its last token.
+    assert tokens <= sum(filled) <= tokens + len(outputs), (filled, tokens)
+
+
 def test_engine_generates_only_valid_structured_outputs():
     """200 sampled requests (temperature 1) over regex / JSON schema / choice, in one generate call."""
     kinds = [

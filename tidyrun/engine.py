@@ -535,9 +535,10 @@ class LLM:
             sampled = self._execute(batch)
             finished = self.scheduler.update_from_output(batch, sampled, self.tokenizer.eos_token_ids,
                                                          self.runner.max_model_len)
-            # The next step's grammar masks, filled on the compiler's thread while this step's outputs are
-            # collected and the next one is scheduled and launched (GrammarCompiler.fill_later says why).
-            grammars = [s.grammar for s in self.scheduler.likely_next() if s.grammar is not None]
+            # The running sequences' next grammar masks, filled on the compiler's thread while this step's
+            # outputs are collected and the next one is scheduled and launched (GrammarCompiler.fill_later
+            # says why). Waiting ones are left out: a deep queue would refill their first masks every step.
+            grammars = [s.grammar for s in self.scheduler.running if s.grammar is not None]
             if grammars:
                 self._grammars.fill_ahead(grammars)
         self._collect_finished(finished)

@@ -15,7 +15,6 @@ freed, speculation counted, newly full blocks offered to the prefix cache.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -157,12 +156,6 @@ class Scheduler:
         if p.max_tokens is not None:
             limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
         return self.propose(seq, limit)
-
-    def likely_next(self) -> list[Sequence]:
-        """The sequences the next ``schedule`` most likely runs: the running ones, then the first waiting ones
-        up to ``max_num_seqs`` (work prepared ahead for them, such as grammar masks, is then ready)."""
-        room = max(0, self.max_num_seqs - len(self.running))
-        return self.running + list(itertools.islice(self.waiting, room))
 
     def update_from_output(self, batch: ScheduledBatch, output: StepOutput,
                            eos_token_ids: Collection[int], max_model_len: int) -> set[str]:
