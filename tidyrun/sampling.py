@@ -10,14 +10,11 @@ import torch
 from .sampling_params import SamplingParams
 
 
-_INT63 = 2**63 - 1  # a generator's seed as an int64 key (the engine's seeds are below 2**63)
-
 RaceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
 class RaceDraw(NamedTuple):
-    """The racing rows of a batch (indices), their noise (float32 [R, vocab] Exp(1) draws, or int64 [R, 2] keys
-    from which a keyed race draws them) and scale (``race_inputs``); None without rows."""
+    """The racing rows of a batch (indices) and their noise and scale (``race_inputs``; None without rows)."""
     rows: list[int]
     noise: torch.Tensor | None
     scale: torch.Tensor | None
@@ -34,28 +31,21 @@ class Sampler:
     top_k, top_p, min_p all off) skips the sort of the vocabulary: it takes
     the exponential race, ``race`` (the runner's ops: one Triton pass on
     CUDA, ``race_sample`` elsewhere), which also gives its log-probability.
-    With ``keyed`` (the Triton race) and each row's ``steps`` (its output
-    token count), a racing row's noise is not drawn from its generator: the
-    kernel draws it from the key (the generator's seed, the step), one
-    small copy for the whole batch instead of a launch per row; the draws
-    still depend only on the row's own seed and position.
     Holds no device memory between calls.
     """
 
-    def __init__(self, race: RaceFn | None = None, keyed: bool = False) -> None:
+    def __init__(self, race: RaceFn | None = None) -> None:
         self.race = race or race_sample
-        self.keyed = keyed
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None], race: RaceDraw | None = None,
-                 steps: Sequence[int] | None = None) -> torch.Tensor:
-        """One token per row. ``race``: the racing rows' noise from ``draw_race`` on these params,
-        generators and steps, drawn earlier (None: drawn here)."""
+                 generators: Sequence[torch.Generator | None], race: RaceDraw | None = None) -> torch.Tensor:
+        """One token per row. ``race``: the racing rows' noise from ``draw_race`` on these params and
+        generators, drawn earlier (None: drawn here)."""
         tokens = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             return tokens
         vocab, dev = logits.shape[-1], logits.device
-        race = race or self.draw_race(logits, params, generators, steps)
+        race = race or self.draw_race(logits, params, generators)
         if race.rows:
             sub = logits if len(race.rows) == len(params) else logits[torch.tensor(race.rows, device=dev)]
             picks, _ = self.race(sub, race.noise, race.scale, False)
@@ -69,43 +59,28 @@ class Sampler:
             tokens[filtered] = order[torch.arange(len(filtered), device=dev), picks]
         return tokens
 
-    def draw_race(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator | None], steps: Sequence[int] | None = None) -> RaceDraw:
-        """The noise of the rows that race (sampled, ``unfiltered``), drawn now: the same draws ``__call__``
-        makes. Only the logits' shape and device matter, so a caller whose logits are not final yet (a
-        grammar mask still being filled on another thread) draws it first: on the H200 host, 64 seeded
-        rows drawn from their generators take ~1 ms of kernel launches, which then overlap the mask's
-        fill. Keyed (see the class), the rows' keys instead."""
+    @staticmethod
+    def draw_race(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]) -> RaceDraw:
+        """The noise of the rows that race (sampled, ``unfiltered``), drawn now from their generators: the same
+        draws ``__call__`` makes. Only the logits' shape and device matter, so a caller whose logits are
+        not final yet (a grammar mask still being filled on another thread) draws it first: on the H200
+        host, 64 seeded rows take ~1 ms of kernel launches, which then overlap the mask's fill."""
         vocab = logits.shape[-1]
         rows = [i for i, p in enumerate(params) if not p.greedy and unfiltered(p, vocab)]
         if not rows:
             return RaceDraw(rows, None, None)
-        racing, gens = [params[i] for i in rows], [generators[i] for i in rows]
-        keyed = self._keys(racing, gens, None if steps is None else [steps[i] for i in rows], logits.device)
-        noise, scale = keyed or race_inputs((len(rows), vocab), logits.device, racing, gens)
+        noise, scale = race_inputs((len(rows), vocab), logits.device, [params[i] for i in rows],
+                                   [generators[i] for i in rows])
         return RaceDraw(rows, noise, scale)
 
-    def _keys(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-              steps: Sequence[int] | None, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The race's keys (int64 [B, 2]: the generator's seed, the step; greedy rows' are unused) and scale,
-        when this sampler is keyed, steps are given and every sampled row has its generator; else None."""
-        if not self.keyed or steps is None or any(g is None for g, p in zip(generators, params) if not p.greedy):
-            return None
-        keys = torch.tensor([[0 if g is None else g.initial_seed() & _INT63, n] for g, n in zip(generators, steps)],
-                            dtype=torch.int64)
-        return keys.to(dev, non_blocking=True), race_scale(params, dev)
-
     def sample_with_logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                             generators: Sequence[torch.Generator | None],
-                             steps: Sequence[int] | None = None) -> list[tuple[int, float, int]]:
+                             generators: Sequence[torch.Generator | None]) -> list[tuple[int, float, int]]:
         """(token, its raw log-probability, its rank) per row, for rows that are all greedy or ``unfiltered``
         (the caller's to check, once per sequence: a filtered row would be sampled from its whole
         distribution): one race over the batch, one copy to the host. The tokens are those ``__call__``
         draws from the same generators."""
-        draws = self._keys(params, generators, steps, logits.device)
-        if draws is None:
-            draws = race_inputs(logits.shape, logits.device, params, generators)
-        _, packed = self.race(logits, *draws, True)
+        _, packed = self.race(logits, *race_inputs(logits.shape, logits.device, params, generators), True)
         return [(int(t), lp, int(r)) for t, lp, r in packed.tolist()]
 
     def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -162,14 +137,9 @@ def race_inputs(shape: tuple[int, int], dev: torch.device, params: Sequence[Samp
     else:
         for i in sampled:
             noise[i].exponential_(generator=generators[i])
-    return noise, race_scale(params, dev)
-
-
-def race_scale(params: Sequence[SamplingParams], dev: torch.device) -> torch.Tensor:
-    """The race's scale (float32 [B, 2] on ``dev``): 1 / temperature and 1 for sampled rows, 1 and 0 for greedy."""
     scale = torch.tensor([[1.0, 0.0] if p.greedy else [1.0 / p.temperature, 1.0] for p in params],
                          dtype=torch.float32)
-    return scale.to(dev, non_blocking=True)
+    return noise, scale.to(dev, non_blocking=True)
 
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
@@ -179,8 +149,6 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
     ``want_logprob`` also float64 [B, 3] rows of (token, log-probability under softmax(logits), 1-based
     rank): the raw log-probability, before temperature, as vLLM's "raw_logprobs". The reference of the
     Triton kernels in ``tidyrun.kernels.race``."""
-    if noise.dtype == torch.int64:
-        raise ValueError("the torch race takes drawn noise, not keys (only the Triton race draws from keys)")
     x = logits.float()
     gumbel = torch.where(scale[:, 1:] != 0, noise.clamp_min(1e-30).log(), 0.0)
     tokens = (x * scale[:, :1] - gumbel).argmax(dim=-1)

@@ -20,21 +20,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _keyed_exponential(keys_ptr, row, cols):
-    """Exp(1) draws for ``cols`` of one row from its key (seed, step): Philox, keyed by the seed, counting
-    (column, step), so a row's noise depends on nothing but its own key. E = -log(U), U uniform in [0, 1)
-    (U = 0 gives E = inf: that token cannot win, a 2**-31 event)."""
-    seed = tl.load(keys_ptr + row * 2)
-    step = tl.load(keys_ptr + row * 2 + 1)
-    c0 = cols.to(tl.uint32)
-    zero = tl.zeros_like(c0)
-    r, _, _, _ = tl.philox(seed, c0, zero + step.to(tl.uint32), zero, zero)
-    return -tl.log(tl.uint_to_uniform_float(r))
-
-
-@triton.jit
 def _race_slices_kernel(x_ptr, noise_ptr, scale_ptr, max_ptr, sum_ptr, rval_ptr, ridx_ptr, V, stride_x, stride_n,
-                        SLICES, LOGPROB: tl.constexpr, KEYED: tl.constexpr, BLOCK: tl.constexpr):
+                        SLICES, LOGPROB: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
     cols = part * BLOCK + tl.arange(0, BLOCK)
@@ -43,10 +30,7 @@ def _race_slices_kernel(x_ptr, noise_ptr, scale_ptr, max_ptr, sum_ptr, rval_ptr,
     noisy = tl.load(scale_ptr + row * 2 + 1)
     x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=-float("inf")).to(tl.float32)
     # Greedy rows read no noise (E = 1: the race is the argmax). E is kept above 0 so log(E) stays finite.
-    if KEYED:  # noise_ptr holds int64 (seed, step) per row: the noise is drawn here, never stored
-        e = tl.where(noisy != 0.0, _keyed_exponential(noise_ptr, row, cols), 1.0)
-    else:
-        e = tl.load(noise_ptr + row * stride_n + cols, mask=cols < tl.where(noisy != 0.0, V, 0), other=1.0)
+    e = tl.load(noise_ptr + row * stride_n + cols, mask=cols < tl.where(noisy != 0.0, V, 0), other=1.0)
     race = tl.where(inside, x * inv_t - tl.log(tl.maximum(e, 1e-30)), -float("inf"))
     best, at = tl.max(race, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(rval_ptr + row * SLICES + part, best)
@@ -85,36 +69,11 @@ def _race_final_kernel(x_ptr, max_ptr, sum_ptr, rval_ptr, ridx_ptr, tok_ptr, out
         tl.store(out_ptr + row * 3 + 2, (above + 1).to(tl.float64))
 
 
-@triton.jit
-def _keyed_noise_kernel(keys_ptr, out_ptr, V, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + row * V + cols, _keyed_exponential(keys_ptr, row, cols), mask=cols < V)
-
-
-def keyed_noise(keys: torch.Tensor, vocab: int, block: int = 1024) -> torch.Tensor:
-    """The noise (float32 [B, vocab]) that ``race_sample`` draws inside its kernel from ``keys`` (int64 [B, 2]:
-    seed, step): for tests, which race the same noise through the stored-noise path."""
-    out = torch.empty(keys.shape[0], vocab, dtype=torch.float32, device=keys.device)
-    if keys.shape[0]:
-        _keyed_noise_kernel[(keys.shape[0], triton.cdiv(vocab, block))](keys.contiguous(), out, vocab, BLOCK=block)
-    return out
-
-
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor, want_logprob: bool,
                 block: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as ``tidyrun.sampling.race_sample``: tokens int64 [B] and, with ``want_logprob``,
-    float64 [B, 3] rows of (token, log-probability under softmax(logits), 1-based rank).
-
-    ``noise`` is either the Exp(1) draws (float32 [B, vocab]) or each row's key (int64 [B, 2]: seed, step),
-    from which the kernel draws them itself. Why keys: drawing a seeded row's noise from its own
-    ``torch.Generator`` is one launch per row (64-256 launches a step at batch 64-256, the larger part of
-    a sampled decode step's host time); the keys are one small copy, and a row's draws still depend
-    only on its own seed and position, whatever else shares the step."""
+    float64 [B, 3] rows of (token, log-probability under softmax(logits), 1-based rank)."""
     rows, vocab = logits.shape
-    keyed = noise.dtype == torch.int64
-    if keyed and tuple(noise.shape) != (rows, 2):
-        raise ValueError(f"race_sample keys must be int64 [rows, 2] (seed, step), got {tuple(noise.shape)}")
     if logits.stride(1) != 1 or noise.stride(1) != 1 or not scale.is_contiguous():
         raise ValueError("race_sample needs rows with contiguous columns and a contiguous scale [B, 2]")
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -127,8 +86,7 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor, 
     tops = torch.empty_like(rvals) if want_logprob else rvals
     sums = torch.empty_like(rvals) if want_logprob else rvals
     _race_slices_kernel[(rows, slices)](logits, noise, scale, tops, sums, rvals, ridx, vocab, logits.stride(0),
-                                        noise.stride(0), slices, LOGPROB=want_logprob, KEYED=keyed, BLOCK=block,
-                                        num_warps=8)
+                                        noise.stride(0), slices, LOGPROB=want_logprob, BLOCK=block, num_warps=8)
     _race_final_kernel[(rows,)](logits, tops, sums, rvals, ridx, tokens, tokens if packed is None else packed,
                                 vocab, logits.stride(0), slices, BLOCK_S=max(16, triton.next_power_of_2(slices)),
                                 LOGPROB=want_logprob, BLOCK=block, num_warps=8)

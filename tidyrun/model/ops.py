@@ -28,7 +28,6 @@ class TorchOps:
     """Reference implementations in plain torch (any device)."""
 
     name = "torch"
-    keyed_race = False  # race_sample takes drawn noise (see the Triton ops)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
@@ -110,7 +109,6 @@ class TritonOps(TorchOps):
     """
 
     name = "triton"
-    keyed_race = True  # race_sample also takes per-row keys and draws the noise in its kernel
 
     def __init__(self, num_sms: int, ctx: ForwardContext | None = None, float32_kernels: bool = False,
                  batch_invariant: bool = False) -> None:

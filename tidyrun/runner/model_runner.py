@@ -95,7 +95,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.ctx = ForwardContext()
         self.ops = self._choose_ops(config)
-        self.sampler = Sampler(self.ops.race_sample, keyed=self.ops.keyed_race)
+        self.sampler = Sampler(self.ops.race_sample)
         self.graph_sizes = self._graph_sizes(config)
         self.last_transfer: dict[str, float] = {}
         gpu_memory = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
@@ -473,8 +473,7 @@ class ModelRunner:
     def _race_with_logprobs(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
         """Tokens and their raw log-probabilities and ranks from one race over the logits (the same tokens
         the sampler draws when other sequences of the step need processing)."""
-        rows = self.sampler.sample_with_logprobs(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                                 [s.num_output_tokens for s in seqs])
+        rows = self.sampler.sample_with_logprobs(logits, [s.params for s in seqs], [s.generator for s in seqs])
         return [SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, rank, NO_TOP, NO_TOP)])
                 for s, (t, v, rank) in zip(seqs, rows)]
 
@@ -505,8 +504,7 @@ class ModelRunner:
                     for s, row in zip(seqs, starts)]
         if not drafts:  # the sampler reads the logits in their dtype (the race upcasts as it reads)
             self._ban_stop_tokens_below_min(logits, seqs)
-            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                  steps=[s.num_output_tokens for s in seqs])
+            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
             return [(s, [t]) for s, t in zip(seqs, tokens.tolist())]
         logits = logits.float()
         out, row = [], 0
@@ -520,7 +518,7 @@ class ModelRunner:
         """Tokens of one sequence's step from its rows of logits (1 + drafts)."""
         if not seq.draft_tokens:
             self._ban_stop_tokens_below_min(logits, [seq])
-            return self.sampler(logits.float(), [seq.params], [seq.generator], steps=[seq.num_output_tokens]).tolist()
+            return self.sampler(logits.float(), [seq.params], [seq.generator]).tolist()
         if seq.params.greedy:
             return accept_greedy(seq.draft_tokens, self.ops.argmax(logits).tolist())
         return verify_drafts(self.sampler, logits.float(), seq.draft_tokens, seq.params, seq.generator)
@@ -559,10 +557,9 @@ class ModelRunner:
             raw = logits if every and untouched else None
             raw = (logits.clone() if every else logits[index]) if raw is None else raw
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        steps = [s.num_output_tokens for s in seqs]
-        race = self.sampler.draw_race(logits, params, generators, steps)  # needs no logits: drawn while masks fill
+        race = self.sampler.draw_race(logits, params, generators)  # needs no logits: drawn while masks fill
         process_logits(logits, seqs, self.eos_token_ids, masks)
-        tokens = self.sampler(logits, params, generators, race, steps)
+        tokens = self.sampler(logits, params, generators, race)
         if not lp:
             return [(t, None) for t in tokens.tolist()]
         if raw is not None:
