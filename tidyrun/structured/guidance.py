@@ -87,20 +87,21 @@ class GuidanceBackend:
             masks = [(s.matcher, r) for s, r in zip(states, rows)]
             ptr, row_bytes, n_rows = bitmask.data_ptr(), layout.words * 4, bitmask.shape[0]
 
-            def fill() -> None:
-                if advance:
-                    pool.consume_token_par(advance)
+            def write_masks() -> None:
                 if masks:
                     pool.unsafe_compute_mask_ptr(masks, ptr, row_bytes, n_rows)
                 if layout.cut:
                     for row in rows:
                         layout.clear_tail(bitmask[row])
         else:
-            def fill() -> None:
-                if advance:
-                    pool.consume_token_par(advance)
+            def write_masks() -> None:
                 for state, row in zip(states, rows):
                     state.fill_unchecked(bitmask, row)
+
+        def fill() -> None:
+            if advance:
+                pool.consume_token_par(advance)
+            write_masks()
         return fill
 
     def _pool(self) -> llguidance.LLExecutor:
