@@ -24,6 +24,7 @@ kc.check_attention("cpu", torch.float32, kc.ATTENTION_CASES, atol=1e-4)
 kc.check_attention("cpu", torch.float32, kc.WINDOW_CASES, atol=1e-4, windows=(1, 5, 40))
 kc.check_linear("cpu", torch.float32, kc.LINEAR_SHAPES, [(16, 64, 1, 2), (32, 64, 4, 2)], exact=False)
 kc.check_race("cpu", torch.float32)
+kc.check_take_pending("cpu")
 kc.check_moe("cpu", torch.float32, kc.MOE_CASES)
 print("kernels ok")
 """

@@ -5,7 +5,7 @@ tokens (appends, stop checks, outputs), schedules the next step and stages
 its inputs. With ``async_scheduling=True`` (vLLM's name) a step of plain
 sequences is launched without waiting for its tokens; the next ``step``
 call schedules and launches the step after it, whose inputs for those
-tokens are taken on the device (``take_pending``), and only then waits for
+tokens are taken on the device (``ops.take_pending``), and only then waits for
 and books the first one, so the host's work overlaps the device's.
 
 The price: a sequence that finishes at step N was computed once more in

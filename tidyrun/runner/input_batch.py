@@ -145,14 +145,6 @@ class HostTokens(NamedTuple):
         return self.view.tolist()
 
 
-def take_pending(input_ids: torch.Tensor, pending: torch.Tensor) -> None:
-    """Put the pending tokens in place, on the device: an input id -1 - r (``host_batch``) becomes row r of
-    ``pending``, the tokens of the step launched before this one (async scheduling)."""
-    if pending.numel():
-        rows = (-1 - input_ids).clamp_(0, pending.numel() - 1)
-        input_ids.copy_(torch.where(input_ids < 0, pending[rows], input_ids))
-
-
 class StepInputs:
     """The staging buffers every Triton-path step's integer inputs travel through, in one copy.
 

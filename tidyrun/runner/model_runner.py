@@ -56,8 +56,7 @@ from ..structured import PendingMasks
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
 from .cuda_graphs import CudaGraphManager, default_capture_sizes
 from .device import resolve_device, resolve_dtype, synchronize
-from .input_batch import (HostBatch, HostTokens, InputBatch, PromptRows, StepInputs, build_reference_batch,
-                          host_batch, take_pending)
+from .input_batch import HostBatch, HostTokens, InputBatch, PromptRows, StepInputs, build_reference_batch, host_batch
 from .kv_plan import plan_kv_cache
 from .lifecycle import SLEEP_TAGS, WEIGHTS, Component, Lifecycle
 from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
@@ -411,12 +410,12 @@ class ModelRunner:
         """Run the model on one step's inputs: logits (model dtype) of the rows that sample (``all_rows``: of
         every row), or None when no row samples. Tensor-parallel ranks other than 0 run the same forward and
         collectives and get None: only rank 0 receives logits. ``pending``: the tokens of the step launched
-        before, for inputs still pending on it (``take_pending``).
+        before, for inputs still pending on it (``ops.take_pending``).
         """
         self.check_awake()
         inputs = self._build_inputs(host, graph)
         if pending is not None:
-            take_pending(inputs.input_ids, pending)
+            self.ops.take_pending(inputs.input_ids, pending)
         if inputs.graph is not None:  # every real row samples: one per sequence, plus one per draft
             out, rows = self.graphs.replay(inputs.graph), inputs.num_rows
             if out.logits is not None:
