@@ -99,20 +99,23 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted = False
+        propose, bs = self.propose, self.block_size
         i = 0
+        # Once per running sequence per step: the common decode case stays inline (no helper calls).
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            remaining = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens  # num_tokens, inline
             n = min(remaining, budget)
-            seq.draft_tokens = self._drafts(seq, budget) if remaining == 1 and self.propose is not None else []
-            if seq.draft_tokens:
-                extra = len(seq.draft_tokens)
-                if self._blocks_needed(seq, n + extra) <= self.pool.num_free:
-                    n += extra
-                else:  # no room to speculate: decode one token rather than preempt someone
-                    seq.draft_tokens = []
-            need = self._blocks_needed(seq, n)
-            if need:  # most decode steps need no new block
+            if propose is not None:
+                seq.draft_tokens = self._drafts(seq, budget) if remaining == 1 else []
+                if seq.draft_tokens:
+                    extra = len(seq.draft_tokens)
+                    if self._blocks_needed(seq, n + extra) <= self.pool.num_free:
+                        n += extra
+                    else:  # no room to speculate: decode one token rather than preempt someone
+                        seq.draft_tokens = []
+            need = -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_table)  # _blocks_needed
+            if need > 0:  # most decode steps need no new block
                 while need > self.pool.num_free and len(self.running) - 1 > i:
                     self._preempt(self.running.pop())
                     preempted = True
@@ -191,10 +194,13 @@ class Scheduler:
                 seq.num_pending -= 1
             if seq.is_finished:
                 continue
-            for i, token in enumerate(tokens):
-                seq.append_token(token, eos_token_ids, max_model_len, None if logprobs is None else logprobs[i])
-                if seq.is_finished:
-                    break
+            if len(tokens) == 1:  # the common case, once per sequence per step
+                seq.append_token(tokens[0], eos_token_ids, max_model_len, None if logprobs is None else logprobs[0])
+            else:
+                for i, token in enumerate(tokens):
+                    seq.append_token(token, eos_token_ids, max_model_len, None if logprobs is None else logprobs[i])
+                    if seq.is_finished:
+                        break
             if seq.draft_tokens:
                 accepted = len(tokens) - 1  # their keys/values, written this step, are now valid
                 self.num_spec_draft_tokens += len(seq.draft_tokens)
@@ -206,10 +212,12 @@ class Scheduler:
                 self.register_computed_blocks(seq)
                 self.finish(seq)
                 finished.add(seq.request_id)
+        bs = self.block_size
         for seq in batch.seqs:
-            seq.draft_tokens = []
-            if not seq.is_finished:
-                self.register_computed_blocks(seq)
+            if seq.draft_tokens:
+                seq.draft_tokens = []
+            if seq.num_computed_tokens // bs > seq.num_registered_blocks and not seq.is_finished:
+                self.register_computed_blocks(seq)  # a block became full (the check repeated: saves a call)
         return finished
 
     def finish(self, seq: Sequence) -> None:

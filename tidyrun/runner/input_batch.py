@@ -79,26 +79,36 @@ def host_batch(batch: ScheduledBatch, block_size: int) -> tuple[HostBatch, list[
     prompt_rows: list[PromptRows] = []
     prompt_indices: list[int] = []
     end = 0
+    # The decode case runs once per sequence per step (256 a step at batch 256): bound methods, no slices.
+    ids, positions, slots, query_start = h.input_ids.append, h.positions.append, h.slots.append, h.query_start.append
+    seq_lens, logits_index, sampling = h.seq_lens.append, h.logits_indices.append, sampling_seqs.append
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start = seq.num_computed_tokens
         drafts = seq.draft_tokens
         table = seq.block_table
+        token_ids = seq.token_ids
         end += n
-        if n == 1 and not drafts:  # the decode case, kept cheap: it runs once per sequence per step
+        if n == 1 and not drafts:
             # A pending token (async scheduling) is not on the host yet: -1 - r stands for row r of the
             # tokens of the step still running, which the runner puts in place on the device.
-            h.input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else -1 - seq.pending_row)
-            h.positions.append(start)
-            h.slots.append(table[start // block_size] * block_size + start % block_size)
+            ids(token_ids[start] if start < len(token_ids) else -1 - seq.pending_row)
+            positions(start)
+            block, offset = divmod(start, block_size)
+            slots(table[block] * block_size + offset)
+            query_start(end)
+            seq_lens(start + 1)
+            if start + 1 == len(token_ids) + seq.num_pending:
+                logits_index(end - 1)
+                sampling(seq)
         else:
-            h.input_ids.extend((seq.token_ids + drafts)[start:start + n] if drafts else seq.token_ids[start:start + n])
+            h.input_ids.extend((token_ids + drafts)[start:start + n] if drafts else token_ids[start:start + n])
             h.positions.extend(range(start, start + n))
             h.slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, start + n))
-        h.query_start.append(end)
-        h.seq_lens.append(start + n)
-        if start + n == seq.num_tokens + len(drafts):
-            h.logits_indices.extend(range(end - 1 - len(drafts), end))
-            sampling_seqs.append(seq)
+            query_start(end)
+            seq_lens(start + n)
+            if start + n == len(token_ids) + seq.num_pending + len(drafts):
+                h.logits_indices.extend(range(end - 1 - len(drafts), end))
+                sampling(seq)
         if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
             count = min(start + n, seq.num_prompt_tokens - 1) - start
             prompt_indices.extend(range(end - n, end - n + count))
