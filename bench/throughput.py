@@ -9,7 +9,8 @@ output tokens / wall seconds. transformers runs the same requests on the same
 checkpoint in request order, in left-padded batches of ``--hf-batch-size``, each
 batch generating its longest output; only each request's own output tokens count.
 (b) ``llm.step()`` time with B requests decoding (prompt ``--decode-prompt-len``),
-median of ``--decode-steps`` steps, against the floor (weight bytes + KV bytes read
+median of ``--decode-steps`` steps (``async`` mode: their mean, the loop timed whole, since a step
+overlaps the launch of the next), against the floor (weight bytes + KV bytes read
 per step) / ``--peak-bw``; for a mixture of experts the weight bytes count only the
 experts routed to (``unrouted_expert_bytes``). With both parts, an idealised time for (a) from
 the measured prefill rate and step times (``ideal_seconds``) is printed next to the measured one. Each engine runs alone on the device: tidyrun engines
@@ -62,6 +63,8 @@ def make_llm(ckpt: str, args: argparse.Namespace, mode: str, **kwargs):
         kwargs["enforce_eager"] = True
     if mode == "invariant":  # graphs, batch_invariant=True
         kwargs["batch_invariant"] = True
+    if mode == "async":  # graphs, async_scheduling=True
+        kwargs["async_scheduling"] = True
     return LLM(ckpt, device=args.device, dtype=args.dtype, **kwargs)
 
 
@@ -168,7 +171,13 @@ def decode_steps(ckpt: str, args: argparse.Namespace, mode: str) -> list[dict]:
             preempt0 = llm.stats()["preemptions"]
             times = []
             sync(args.device)
-            for _ in range(k):
+            if mode == "async":  # a step overlaps the next one's launch: synchronizing each would undo that
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    llm.step()
+                sync(args.device)
+                times = [(time.perf_counter() - t0) / k]
+            for _ in range(0 if mode == "async" else k):
                 t0 = time.perf_counter()
                 llm.step()
                 sync(args.device)
@@ -249,8 +258,9 @@ def prepare_workload(args: argparse.Namespace) -> tuple[str, Workload, Workload]
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
-    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager", "invariant"], default=["graphs"],
-                    help="graphs: the engine's default; eager: enforce_eager=True; invariant: batch_invariant=True")
+    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager", "invariant", "async"], default=["graphs"],
+                    help="graphs: the engine's default; eager: enforce_eager=True; invariant: batch_invariant=True; "
+                         "async: async_scheduling=True")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-requests", type=int, default=None, help="run transformers on the first N requests only")

@@ -350,3 +350,24 @@ def check_moe(device, dtype, cases, seed=0):
         ref = TorchOps().moe_experts(x.double(), w13.double(), w2.double(), weights.double(), ids)
         err = (out.double().cpu() - ref).abs().max().item()
         assert out.dtype == dtype and err <= rtol * max(ref.abs().max().item(), 1.0), f"{case}: {err}"
+
+
+def check_take_pending(device, seed=0):
+    """fused.take_pending (async scheduling's inputs) equals TorchOps.take_pending: ids -1 - r become row r
+    of the previous step's tokens, others stay; padding zeros stay; a batch over one block too."""
+    from tidyrun.kernels.fused import take_pending
+    from tidyrun.model.ops import TorchOps
+
+    g = torch.Generator().manual_seed(seed)
+    for n, rows in ((5, 3), (1, 1), (2500, 300)):
+        pending = torch.randint(0, 50000, (rows,), generator=g)
+        ids = torch.randint(0, 50000, (n,), generator=g)
+        take = torch.rand(n, generator=g) < 0.5
+        ids[take] = -1 - torch.randint(0, rows, (int(take.sum()),), generator=g)
+        ids[-1:] = 0  # graph padding
+        want = ids.clone()
+        TorchOps().take_pending(want, pending)
+        got = ids.clone().to(device)  # .to("cpu") would not copy
+        take_pending(got, pending.to(device), block=512)
+        assert torch.equal(got.cpu(), want), f"take_pending {n} ids, {rows} pending"
+        assert (want >= 0).all() and torch.equal(want[take & (ids != 0)], pending[-1 - ids[take & (ids != 0)]])

@@ -71,3 +71,7 @@ def test_race_sampling_kernel_matches_torch(dtype):
 def test_moe_experts_kernel_matches_torch(dtype):
     """Experts 8-128, top-k 1-8, routing skewed so that most experts get nothing, up to 300 tokens."""
     kc.check_moe("cuda", dtype, kc.MOE_CASES + kc.random_moe_cases(24, seed=3))
+
+
+def test_take_pending_kernel_matches_torch():
+    kc.check_take_pending("cuda")

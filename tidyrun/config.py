@@ -198,6 +198,10 @@ class EngineConfig:
     # verification): products with one reduction order for any number of rows (never cuBLAS) and attention
     # whose split of the keys depends on the sequence only. Costs speed (docs/BENCHMARKS.md); CUDA only.
     batch_invariant: bool = False
+    # vLLM's async scheduling: the next decode step is launched before the host reads this step's tokens,
+    # which it books while that step runs (pipeline.py); steps that need the host's view of their tokens
+    # (logprobs, penalties, grammars, speculation) run as before. One rank, no speculation.
+    async_scheduling: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     # Ranks the model is split over (one process each; rank 0 is this process). Checked against the model
     # (at most one rank per KV head) and the devices when the engine starts.
@@ -254,12 +258,16 @@ class EngineConfig:
 
         if self.kernels not in (None, "torch", "triton"):
             raise InvalidRequestError(f"kernels must be 'torch', 'triton' or None, got {self.kernels!r}")
-        for name in ("enforce_eager", "keep_host_buffers", "batch_invariant"):
+        for name in ("enforce_eager", "keep_host_buffers", "batch_invariant", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.batch_invariant and tp > 1:
             raise InvalidRequestError("batch_invariant=True is not available with tensor_parallel_size > 1: "
                                       "the all-reduce's order over rows is not verified (docs/BENCHMARKS.md)")
+        if self.async_scheduling and (tp > 1 or self.speculative is not None):
+            raise InvalidRequestError("async_scheduling=True is not available with "
+                                      + ("tensor_parallel_size > 1" if tp > 1 else "speculative decoding")
+                                      + " yet: pass async_scheduling=False")
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if (not isinstance(sizes, (list, tuple)) or not sizes

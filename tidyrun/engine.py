@@ -36,13 +36,14 @@ from .loader import generation_defaults, open_engine_source, open_engine_tokeniz
 from .logprobs import prompt_logprobs, sample_logprobs
 from .metrics_reader import Metric, metrics_from_stats
 from .outputs import CompletionOutput, RequestOutput
+from .pipeline import StepPipeline
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
 from .runner.rpc import call_on_rank, check_rpc_method
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence, StepOutput, streamable_length
+from .sequence import Sequence, streamable_length
 from .spec_decode import NgramProposer
 from .structured import GrammarCompiler
 
@@ -182,6 +183,12 @@ class LLM:
     (docs/BENCHMARKS.md); dense models on one rank (refused for mixtures of
     experts and ``tensor_parallel_size > 1``, not verified there). None:
     vLLM's switch, the environment variable ``VLLM_BATCH_INVARIANT=1``, else off.
+    ``async_scheduling=True`` (vLLM's option) launches each plain decode step
+    before the host has read the previous step's tokens, so booking them,
+    scheduling and staging overlap the device's work (pipeline.py); the
+    tokens are the same. Steps that need their tokens on the host first
+    (logprobs, penalties, grammars) run as before; refused with speculation
+    and ``tensor_parallel_size > 1``. None or False: off.
     ``tensor_parallel_size=N`` splits the model over N ranks: this process
     is rank 0 and spawns N - 1 worker processes (one per further GPU on
     CUDA, gloo on the CPU; a script needs ``if __name__ == "__main__"``);
@@ -230,7 +237,8 @@ class LLM:
                  keep_host_buffers: bool = True, enable_prefix_caching: bool | None = True,
                  speculative: dict | SpeculativeConfig | None = None, enforce_eager: bool = False,
                  cuda_graph_sizes: list[int] | None = None, kernels: str | None = None,
-                 batch_invariant: bool | None = None, tensor_parallel_size: int = 1,
+                 batch_invariant: bool | None = None, async_scheduling: bool | None = None,
+                 tensor_parallel_size: int = 1,
                  # vLLM's names and options (engine_args.py says what each does here)
                  kv_cache_memory_bytes: int | None = None, speculative_config: dict | None = None,
                  compilation_config: dict | None = None, max_logprobs: int = 20,
@@ -288,6 +296,9 @@ class LLM:
         # view of the vocabulary is built on the first structured request only.
         self._grammars = GrammarCompiler(self.tokenizer, self.runner.model_config.vocab_size,
                                          self.tokenizer.eos_token_ids)
+        # Steps: schedule → run → book; with async_scheduling, plain steps launched one ahead (pipeline.py).
+        self._pipeline = StepPipeline(self.scheduler, self.runner, self.tokenizer.eos_token_ids,
+                                      config.async_scheduling)
         self._requests: dict[str, _Request] = {}
         # Finished outputs not yet handed out; step() returns them, so none is ever dropped.
         self._pending_outputs: list[RequestOutput] = []
@@ -358,6 +369,7 @@ class LLM:
         n = len(self._requests)
         if n:
             raise InvalidRequestError(f"cannot {what} with {n} request(s) in flight; let them finish or abort them")
+        self._pipeline.drain()  # nothing is left launched (async scheduling drops such steps already)
 
     @_drops_frames_on_error
     def sleep(self, level: int = 1) -> dict[str, int]:
@@ -462,6 +474,7 @@ class LLM:
         self._check_alive()
         if self._requests:
             return False
+        self._pipeline.drain()
         self.scheduler.pool.reset_prefix_cache()
         return True
 
@@ -519,6 +532,7 @@ class LLM:
         """
         self._check_alive()
         self.scheduler.abort(request_id)
+        self._pipeline.settle()  # a step launched ahead for its sequences alone is not kept
         self._collect_finished()
 
     def has_unfinished_requests(self) -> bool:
@@ -529,32 +543,20 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of requests that finished (or were aborted) since the last."""
         self._check_alive()
-        batch = self.scheduler.schedule()
-        finished: set[str] = set()  # requests with a sequence that finished in this step
-        if batch.seqs:
-            sampled = self._execute(batch)
-            finished = self.scheduler.update_from_output(batch, sampled, self.tokenizer.eos_token_ids,
-                                                         self.runner.max_model_len)
-            # The running sequences' next grammar masks, filled on the compiler's thread while this step's
-            # outputs are collected and the next one is scheduled and launched (GrammarCompiler.fill_later
-            # says why). Waiting ones are left out: a deep queue would refill their first masks every step.
-            grammars = [s.grammar for s in self.scheduler.running if s.grammar is not None]
-            if grammars:
-                self._grammars.fill_ahead(grammars)
+        try:
+            finished = self._pipeline.step()  # requests with a sequence that finished in this step
+        except BaseException:
+            self._collect_finished()  # the failing step's requests were aborted: their outputs come next
+            raise
+        # The running sequences' next grammar masks, filled on the compiler's thread while this step's
+        # outputs are collected and the next one is scheduled and launched (GrammarCompiler.fill_later
+        # says why). Waiting ones are left out: a deep queue would refill their first masks every step.
+        grammars = [s.grammar for s in self.scheduler.running if s.grammar is not None]
+        if grammars:
+            self._grammars.fill_ahead(grammars)
         self._collect_finished(finished)
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
-
-    def _execute(self, batch: ScheduledBatch) -> StepOutput:
-        try:
-            return self.runner.execute(batch)
-        except BaseException:
-            # Do not retry a failing batch forever: its requests end with "abort" (their
-            # outputs come back from the next step) and the engine stays usable.
-            for request_id in {seq.request_id for seq in batch.seqs}:
-                self.scheduler.abort(request_id)
-            self._collect_finished()
-            raise
 
     def request_output(self, request_id: str) -> RequestOutput | None:
         """The output so far of a request still in flight (None once finished and collected)."""
@@ -751,6 +753,7 @@ class LLM:
         self._closed = True
         for request_id in list(self._requests):
             self.scheduler.abort(request_id)
+        self._pipeline.drain()  # a step launched ahead holds its tokens on the device until booked
         self._collect_finished()
         outputs, self._pending_outputs = self._pending_outputs, []
         aborted = [o for o in outputs if any(c.finish_reason == "abort" for c in o.outputs)]

@@ -160,6 +160,7 @@ def engine_config(model: str | None, options: Mapping[str, Any]) -> EngineConfig
         speculative=SpeculativeConfig.from_value(_alias(options, "speculative", "speculative_config")),
         enforce_eager=options["enforce_eager"], cuda_graph_sizes=_cuda_graph_sizes(options),
         kernels=options["kernels"], batch_invariant=_batch_invariant(options["batch_invariant"]),
+        async_scheduling=given("async_scheduling"),
         tensor_parallel_size=options["tensor_parallel_size"],
         distributed_executor_backend=options["distributed_executor_backend"],
         keep_host_buffers=options["keep_host_buffers"],

@@ -56,6 +56,14 @@ class StepOutput(NamedTuple):
     prompt_logprobs: list[PromptLogprobRecords]
 
 
+def launchable(seq: "Sequence") -> bool:
+    """Whether a step can draw this sequence's token from the logits alone, so the host need not see the
+    token before the next step is launched (async scheduling): no logprobs, logits processing (penalties,
+    bias, grammar), drafts, prompt logprobs, or stop-token ban below ``min_tokens``."""
+    return not (seq.needs_processing or seq.grammar is not None or seq.draft_tokens
+                or seq.prompt_logprobs is not None or (seq.params.min_tokens and seq.below_min_tokens()))
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -95,6 +103,11 @@ class Sequence:
         self._text_final = False
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.draft_tokens: list[int] = []  # speculative tokens scheduled for this step (verified, then cleared)
+        # Async scheduling (engine.StepPipeline): a token sampled by a step still running on the device is
+        # "pending": it counts in ``num_tokens`` (the next step computes it) but is not in ``token_ids`` until
+        # its step is booked; the next step's input for it is row ``pending_row`` of that step's tokens.
+        self.num_pending = 0
+        self.pending_row = 0
         self._block_keys: list[BlockKey] = []
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         # Logprobs, when asked: one record per output token, their running sum, and one per prompt token
@@ -151,7 +164,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens known on the host plus the one a step still running sampled (``num_pending``)."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def prompt_token_ids(self) -> list[int]:

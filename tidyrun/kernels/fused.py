@@ -128,3 +128,20 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), KV_BLOCK=k_cache.shape[1] if store else 1,
         STORE=store, num_warps=1,
     )
+
+
+@triton.jit
+def _take_pending_kernel(ids_ptr, pending_ptr, n, n_pending, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=0)
+    take = (offs < n) & (ids < 0)
+    row = tl.minimum(tl.maximum(-1 - ids, 0), n_pending - 1)
+    tl.store(ids_ptr + offs, tl.load(pending_ptr + row, mask=take, other=0).to(ids.dtype), mask=take)
+
+
+def take_pending(input_ids: torch.Tensor, pending: torch.Tensor, block: int = 1024) -> None:
+    """Async scheduling's device-side inputs (``TorchOps.take_pending``): ids -1 - r become ``pending[r]``,
+    in place (``input_ids`` contiguous)."""
+    if input_ids.numel() and pending.numel():
+        _take_pending_kernel[(triton.cdiv(input_ids.numel(), block),)](input_ids, pending, input_ids.numel(),
+                                                                        pending.numel(), BLOCK=block)

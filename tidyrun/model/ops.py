@@ -36,6 +36,13 @@ class TorchOps:
         """Each row's first largest index (int64 [rows])."""
         return logits.argmax(dim=-1)
 
+    def take_pending(self, input_ids: torch.Tensor, pending: torch.Tensor) -> None:
+        """Async scheduling: an input id -1 - r (``host_batch``: a token not on the host yet) becomes row r
+        of ``pending``, the tokens of the step launched before this one; in place, on the device."""
+        if pending.numel():
+            rows = (-1 - input_ids).clamp_(0, pending.numel() - 1)
+            input_ids.copy_(torch.where(input_ids < 0, pending[rows], input_ids))
+
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's argmax and its log-probability (float32): a greedy step's token and logprob."""
         x = logits.float()
@@ -162,6 +169,9 @@ class TritonOps(TorchOps):
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._argmax.argmax_rows(logits)
+
+    def take_pending(self, input_ids: torch.Tensor, pending: torch.Tensor) -> None:
+        self._fused.take_pending(input_ids, pending)  # one launch instead of torch's six
 
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._argmax.argmax_logprob_rows(logits)

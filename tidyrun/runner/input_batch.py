@@ -89,13 +89,15 @@ def host_batch(batch: ScheduledBatch, block_size: int) -> tuple[HostBatch, list[
         token_ids = seq.token_ids
         end += n
         if n == 1 and not drafts:
-            ids(token_ids[start])
+            # A pending token (async scheduling) is not on the host yet: -1 - r stands for row r of the
+            # tokens of the step still running, which the runner puts in place on the device.
+            ids(token_ids[start] if start < len(token_ids) else -1 - seq.pending_row)
             positions(start)
             block, offset = divmod(start, block_size)
             slots(table[block] * block_size + offset)
             query_start(end)
             seq_lens(start + 1)
-            if start + 1 == len(token_ids):
+            if start + 1 == len(token_ids) + seq.num_pending:
                 logits_index(end - 1)
                 sampling(seq)
         else:
@@ -104,7 +106,7 @@ def host_batch(batch: ScheduledBatch, block_size: int) -> tuple[HostBatch, list[
             h.slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, start + n))
             query_start(end)
             seq_lens(start + n)
-            if start + n == len(token_ids) + len(drafts):
+            if start + n == len(token_ids) + seq.num_pending + len(drafts):
                 h.logits_indices.extend(range(end - 1 - len(drafts), end))
                 sampling(seq)
         if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
@@ -142,11 +144,24 @@ def build_reference_batch(h: HostBatch, device: torch.device) -> InputBatch:
                       dev(h.logits_indices, torch.int64))
 
 
+class HostTokens(NamedTuple):
+    """Sampled tokens being copied into ``StepInputs.tokens_host``; ``event`` marks the copy's end (CUDA)."""
+    view: torch.Tensor
+    event: torch.cuda.Event | None
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.view.tolist()
+
+
 class StepInputs:
     """The staging buffers every Triton-path step's integer inputs travel through, in one copy.
 
     Owns device memory: one int64 buffer (ledger owner ``inputs``), and a
-    pinned host buffer of the same size (``release`` unpins it). CUDA graphs capture views of the
+    pinned host buffer of the same size (``release`` unpins it), plus a
+    pinned one for two steps' sampled tokens on their way back (async
+    scheduling: ``send_tokens``). CUDA graphs capture views of the
     device buffer (``graph_views``), so it must outlive them (it is
     acquired before them and released after them). The pinned host buffer
     is tracked as ``inputs_host``. Also the split kernels' arrival counters
@@ -174,6 +189,13 @@ class StepInputs:
         self.counters = ledger.track("inputs", "inputs.counters",
                                      torch.zeros(self.NUM_COUNTERS, dtype=torch.int32, device=device))
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        # Two slots of sampled tokens: the step being booked and the one launched after it.
+        self.max_seqs = max_seqs
+        tokens = (pinned_host_buffer(2 * max_seqs, torch.int64) if device.type == "cuda"
+                  else torch.zeros(2 * max_seqs, dtype=torch.int64))
+        self.tokens_host = ledger.track("inputs_host", "inputs.tokens_host", tokens)
+        self._token_copies = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else None
+        self._token_slot = 0
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     @staticmethod
@@ -215,10 +237,25 @@ class StepInputs:
         if self._copied is not None:
             self._copied.record()
 
+    def send_tokens(self, tokens: torch.Tensor) -> "HostTokens":
+        """Start copying a step's sampled tokens to the host without waiting for the step (the next one is
+        launched first); ``HostTokens.tolist`` waits for this copy only, not for later work on the stream."""
+        slot, self._token_slot = self._token_slot, self._token_slot ^ 1
+        view = self.tokens_host[slot * self.max_seqs:slot * self.max_seqs + tokens.numel()]
+        if self._token_copies is None:
+            view.copy_(tokens)
+            return HostTokens(view, None)
+        event = self._token_copies[slot]
+        event.synchronize()  # the slot's copy of two steps ago was read before this step was launched
+        view.copy_(tokens, non_blocking=True)
+        event.record()
+        return HostTokens(view, event)
+
     def release(self) -> None:
-        """Unpin the host buffer (its pages go back to the OS once the last view of it dies)."""
-        if self.host_buf.is_pinned():
-            unpin_host_buffer(self.host_buf)
+        """Unpin the host buffers (their pages go back to the OS once the last view of them dies)."""
+        for buf in (self.host_buf, self.tokens_host):
+            if buf.is_pinned():
+                unpin_host_buffer(buf)
 
     def attention_tiles(self, num_seqs: int, max_query_len: int) -> tuple[int, int, int]:
         """(BLOCK_Q, BLOCK_M, splits) of the attention kernel for a step of ``num_seqs`` sequences, eager or

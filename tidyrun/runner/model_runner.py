@@ -49,13 +49,14 @@ from ..resources import ResourceLedger, drop_traceback_locals, free_device_cache
 from ..logits_process import process_logits, stop_token_bans
 from ..sampling import Sampler, logprob_records
 from ..scheduler import ScheduledBatch
-from ..sequence import NO_TOP, PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob
+from ..sequence import (NO_TOP, PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob,
+                        launchable)
 from ..spec_decode import accept_greedy, verify_drafts
 from ..structured import PendingMasks
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
 from .cuda_graphs import CudaGraphManager, default_capture_sizes
 from .device import resolve_device, resolve_dtype, synchronize
-from .input_batch import HostBatch, InputBatch, PromptRows, StepInputs, build_reference_batch, host_batch
+from .input_batch import HostBatch, HostTokens, InputBatch, PromptRows, StepInputs, build_reference_batch, host_batch
 from .kv_plan import plan_kv_cache
 from .lifecycle import SLEEP_TAGS, WEIGHTS, Component, Lifecycle
 from .pooling import POOLING_METHODS, chunks_by_tokens, dense_batch, normalize, pool
@@ -76,6 +77,15 @@ class StepLogits(NamedTuple):
     logits: torch.Tensor
     greedy: torch.Tensor | None
     greedy_logprob: torch.Tensor | None = None
+
+
+class LaunchedStep(NamedTuple):
+    """A step launched without waiting for it (async scheduling): row i of ``tokens`` (int64, on the
+    device) is the token of ``seqs[i]``; ``host`` is their copy on its way to the host (None: none started)."""
+    batch: ScheduledBatch
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    host: HostTokens | None
 
 
 class ModelRunner:
@@ -396,13 +406,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, host: HostBatch, graph: tuple[int, int] | None = None,
-                       all_rows: bool = False) -> StepLogits | None:
+                       all_rows: bool = False, pending: torch.Tensor | None = None) -> StepLogits | None:
         """Run the model on one step's inputs: logits (model dtype) of the rows that sample (``all_rows``: of
         every row), or None when no row samples. Tensor-parallel ranks other than 0 run the same forward and
-        collectives and get None: only rank 0 receives logits.
+        collectives and get None: only rank 0 receives logits. ``pending``: the tokens of the step launched
+        before, for inputs still pending on it (``ops.take_pending``).
         """
         self.check_awake()
         inputs = self._build_inputs(host, graph)
+        if pending is not None:
+            self.ops.take_pending(inputs.input_ids, pending)
         if inputs.graph is not None:  # every real row samples: one per sequence, plus one per draft
             out, rows = self.graphs.replay(inputs.graph), inputs.num_rows
             if out.logits is not None:
@@ -436,6 +449,37 @@ class ModelRunner:
         finally:
             if masks is not None:
                 masks.settle()  # a step that failed before using them still waits for the fill to end
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None) -> LaunchedStep:
+        """Run one step without waiting for its tokens (async scheduling): the host books the step before
+        while this one runs. ``after``: the step launched before, whose tokens this one's pending inputs
+        are. Only plain steps (``launchable``): no logprobs, logits processing, grammar, drafts, prompt
+        logprobs or min_tokens ban, whose tokens need nothing but the logits."""
+        self.check_awake()
+        host, seqs, prompt_rows = host_batch(batch, self.block_size)
+        if prompt_rows or not all(launchable(s) for s in batch.seqs):
+            raise ValueError("launch() takes plain steps only; execute() runs the others")
+        graph = self._graph_key(batch) if self.graphs is not None else None
+        step = self.forward_logits(host, graph, pending=None if after is None else after.tokens)
+        if step is None:
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        else:
+            tokens = self._plain_tokens(step.logits, step.greedy, seqs)
+        return LaunchedStep(batch, seqs, tokens, None if self.inputs is None else self.inputs.send_tokens(tokens))
+
+    def collect(self, step: LaunchedStep) -> StepOutput:
+        """The tokens of a launched step, once its copy to the host is done (not the steps after it)."""
+        tokens = step.tokens.tolist() if step.host is None else step.host.tolist()
+        return StepOutput([SampledTokens(s, [t]) for s, t in zip(step.seqs, tokens)], [])
+
+    def _plain_tokens(self, logits: torch.Tensor, greedy: torch.Tensor | None,
+                      seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row on the device: the argmax (the graph's, when it took one) when every row is
+        greedy, else the sampler's draw (temperature, top-k/p, min-p)."""
+        if all(s.greedy for s in seqs):
+            return self.ops.argmax(logits) if greedy is None else greedy
+        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
 
     def _execute(self, batch: ScheduledBatch, host: HostBatch, seqs: list[Sequence],
                  prompt_rows: list[PromptRows], masks: PendingMasks | None) -> StepOutput:
@@ -490,22 +534,17 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor | None,
                 seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         """The common case: no logprobs, no processing beyond a min_tokens ban of stop tokens."""
-        drafts = any(s.draft_tokens for s in seqs)
-        if all(s.params.greedy for s in seqs):  # one argmax and one copy to the host for the whole batch
-            if not drafts:
-                if self._ban_stop_tokens_below_min(logits, seqs) or greedy is None:
-                    greedy = self.ops.argmax(logits)
-                return [(s, [t]) for s, t in zip(seqs, greedy.tolist())]
+        if not any(s.draft_tokens for s in seqs):  # one pass and one copy to the host for the whole batch
+            banned = self._ban_stop_tokens_below_min(logits, seqs)
+            tokens = self._plain_tokens(logits, None if banned else greedy, seqs)
+            return [(s, [t]) for s, t in zip(seqs, tokens.tolist())]
+        if all(s.params.greedy for s in seqs):
             starts = list(itertools.accumulate((1 + len(s.draft_tokens) for s in seqs), initial=0))
             banned = [self._ban_stop_tokens_below_min(logits[row:row + 1], [seq])
                       for seq, row in zip(seqs, starts) if not seq.draft_tokens]
             targets = (self.ops.argmax(logits) if any(banned) or greedy is None else greedy).tolist()
             return [(s, accept_greedy(s.draft_tokens, targets[row:row + 1 + len(s.draft_tokens)]))
                     for s, row in zip(seqs, starts)]
-        if not drafts:  # the sampler reads the logits in their dtype (the race upcasts as it reads)
-            self._ban_stop_tokens_below_min(logits, seqs)
-            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            return [(s, [t]) for s, t in zip(seqs, tokens.tolist())]
         logits = logits.float()
         out, row = [], 0
         for seq in seqs:  # drafts are never scheduled below min_tokens, so no stop-token ban is needed here

@@ -1,0 +1,195 @@
+"""Async scheduling (``LLM(async_scheduling=True)``, pipeline.py): the next step is launched before the
+host reads the last one's tokens. Every test compares against the synchronous engine on the same requests:
+the tokens, texts, finish reasons and logprobs must not change, whatever runs ahead, preempts, aborts or
+fails; and no launched step may outlive its sequences."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidyrun import LLM, SamplingParams
+from tidyrun.errors import InvalidRequestError
+
+from conftest import QUESTIONS
+
+
+@pytest.fixture(scope="module")
+def engines(default_model):
+    """A synchronous and an async engine on the default model (CPU, fp32)."""
+    made = {a: LLM(default_model, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=16,
+                   async_scheduling=a) for a in (False, True)}
+    yield made
+    for engine in made.values():
+        engine.shutdown()
+
+
+def count_launches(llm: LLM) -> dict:
+    """Counts of steps launched ahead and steps run synchronously, by wrapping the pipeline's two paths."""
+    pipeline, counts = llm._pipeline, {"launched": 0, "run": 0}
+    launch, run = pipeline._launch, pipeline._run
+
+    def counted_launch(*args):
+        counts["launched"] += 1
+        return launch(*args)
+
+    def counted_run(*args):
+        counts["run"] += 1
+        return run(*args)
+
+    pipeline._launch, pipeline._run = counted_launch, counted_run
+    return counts
+
+
+def summary(outputs) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              None if c.logprobs is None else [{t: round(v.logprob, 5) for t, v in d.items()} for d in c.logprobs])
+             for c in o.outputs] for o in outputs]
+
+
+MIXED = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0, max_tokens=1),
+         SamplingParams(temperature=1.0, seed=11, max_tokens=30), SamplingParams(temperature=0.7, top_p=0.9, top_k=40,
+                                                                                 seed=5, max_tokens=20, n=2),
+         SamplingParams(temperature=0, max_tokens=40, stop=[".", "\n"]),
+         SamplingParams(temperature=1.0, seed=3, max_tokens=16, stop_token_ids=[13, 28]),
+         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+         SamplingParams(temperature=0, max_tokens=48)]
+
+
+def test_plain_requests_give_the_same_tokens_and_run_ahead(engines):
+    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    counts = count_launches(engines[True])
+    sync = engines[False].chat(prompts, MIXED, use_tqdm=False)
+    ahead = engines[True].chat(prompts, MIXED, use_tqdm=False)
+    assert summary(ahead) == summary(sync)
+    assert counts["launched"] >= 48 and counts["run"] == 0, counts  # every step ran ahead
+    assert engines[True]._pipeline._in_flight is None  # the step after the last finish was dropped
+
+
+def test_steps_that_need_the_host_run_synchronously_and_agree(engines):
+    """Logprobs, penalties and min_tokens bans need each token on the host before the next step: those
+    steps run as before (and a batch mixing them with plain requests too), with the same results."""
+    params = MIXED[:4] + [SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+                          SamplingParams(temperature=1.0, seed=9, max_tokens=20, repetition_penalty=1.3),
+                          SamplingParams(temperature=0, max_tokens=20, min_tokens=15),
+                          SamplingParams(temperature=1.0, seed=1, max_tokens=20, presence_penalty=0.5, logprobs=0)]
+    counts = count_launches(engines[True])
+    sync = engines[False].generate(list(QUESTIONS), params, use_tqdm=False)
+    ahead = engines[True].generate(list(QUESTIONS), params, use_tqdm=False)
+    assert summary(ahead) == summary(sync)
+    assert counts["run"] > 0, counts
+    # Alone, the plain ones run ahead again.
+    counts = count_launches(engines[True])
+    assert summary(engines[True].generate(list(QUESTIONS[:4]), params[:4], use_tqdm=False)) == summary(sync[:4])
+    assert counts["launched"] > 0 and counts["run"] == 0, counts
+
+
+def step_until_done(llm: LLM, script: dict) -> dict:
+    """Drive ``step()`` by hand: ``script`` maps a step number to ("add", key, prompt, params) or
+    ("abort", key) actions taken before that step; returns the outputs by key."""
+    ids, results, n = {}, {}, 0
+    while n in script or llm.has_unfinished_requests() or any(k > n for k in script):
+        for action in script.get(n, []):
+            if action[0] == "add":
+                ids[action[1]] = llm.add_request(action[2], action[3])
+            else:
+                llm.abort_request(ids[action[1]])
+        for out in llm.step():
+            results[next(k for k, v in ids.items() if v == out.request_id)] = out
+        n += 1
+    return results
+
+
+def test_requests_added_and_aborted_while_a_step_runs_ahead(engines):
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    script = {0: [("add", "a", QUESTIONS[0], greedy), ("add", "b", QUESTIONS[1], greedy)],
+              5: [("add", "c", QUESTIONS[2], SamplingParams(temperature=1.0, seed=4, max_tokens=25))],
+              9: [("abort", "b")], 12: [("add", "d", QUESTIONS[3], SamplingParams(temperature=0, max_tokens=8))]}
+    sync, ahead = step_until_done(engines[False], script), step_until_done(engines[True], script)
+    assert sorted(ahead) == sorted(sync) == ["a", "b", "c", "d"]
+    for key in "acd":
+        assert summary([ahead[key]]) == summary([sync[key]]), key
+    assert ahead["b"].outputs[0].finish_reason == sync["b"].outputs[0].finish_reason == "abort"
+    assert ahead["b"].outputs[0].token_ids == sync["b"].outputs[0].token_ids  # the tokens booked before the abort
+    assert engines[True]._pipeline._in_flight is None
+
+
+def test_aborting_every_request_drops_the_step_in_flight(engines):
+    llm = engines[True]
+    rid = llm.add_request(QUESTIONS[4], SamplingParams(temperature=0, max_tokens=50))
+    for _ in range(4):
+        llm.step()
+    assert llm._pipeline._in_flight is not None  # a step runs ahead between calls
+    llm.abort_request(rid)
+    assert llm._pipeline._in_flight is None
+    (out,) = llm.step()
+    assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 4
+
+
+def test_preemption_and_the_context_limit_under_async(default_model):
+    """A KV cache too small for the batch (sequences preempted while their next token is pending) and
+    outputs running into max_model_len give the same outputs as the synchronous engine."""
+    params = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=200, ignore_eos=True)] * 3
+    prompts = [q * 3 for q in QUESTIONS[:6]]
+    results, preemptions = {}, {}
+    for a in (False, True):
+        llm = LLM(default_model, device="cpu", dtype="float32", max_model_len=96, num_kv_blocks=14,
+                  block_size=16, async_scheduling=a)
+        try:
+            results[a] = summary(llm.generate(prompts, params, use_tqdm=False))
+            preemptions[a] = llm.stats()["preemptions"]
+        finally:
+            llm.shutdown()
+    assert results[True] == results[False]
+    assert preemptions[True] > 0 and preemptions[False] > 0, preemptions
+    assert all(c[2] == "length" for r in results[True] for c in r)
+
+
+def test_a_failing_launch_aborts_its_requests_and_the_engine_recovers(engines):
+    llm = engines[True]
+    runner, calls = llm.runner, {"n": 0}
+    launch = runner.launch
+
+    def failing(batch, after):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost (simulated)")
+        return launch(batch, after)
+
+    runner.launch = failing
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            llm.generate(list(QUESTIONS[:3]), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                         use_tqdm=False)
+    finally:
+        del runner.launch
+    assert llm._pipeline._in_flight is None and not llm.scheduler.has_unfinished()
+    aborted = llm.step()  # the failed call's requests end with "abort", as a failing synchronous step's do
+    assert [o.outputs[0].finish_reason for o in aborted] == ["abort"] * 3
+    again = llm.generate(list(QUESTIONS[:3]), SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    sync = engines[False].generate(list(QUESTIONS[:3]), SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert summary(again) == summary(sync)
+
+
+def test_sleep_and_shutdown_with_a_step_launched_ahead(default_model):
+    llm = LLM(default_model, device="cpu", dtype="float32", max_model_len=256, async_scheduling=True)
+    try:
+        llm.generate(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        llm.sleep(1)
+        llm.wake_up()
+        rid = llm.add_request(QUESTIONS[1], SamplingParams(temperature=0, max_tokens=50))
+        llm.step(), llm.step()
+        assert llm._pipeline._in_flight is not None
+    finally:
+        report = llm.shutdown()
+    assert report.clean, report
+    assert [o.request_id for o in report.aborted] == [rid]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(async_scheduling=True, speculative={"method": "ngram", "num_speculative_tokens": 2}), "speculative"),
+    (dict(async_scheduling="yes"), "async_scheduling must be a bool"),
+])
+def test_refused_options_are_named(default_model, options, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        LLM(default_model, device="cpu", **options)

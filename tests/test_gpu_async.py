@@ -1,0 +1,45 @@
+"""Async scheduling on CUDA (graphs, Triton kernels, pinned token copies): the same tokens as synchronous
+steps, and nothing left behind.
+
+A step launched ahead still holds the rows of sequences that finished in the step before it, so batches
+differ from the synchronous engine's at the step after a finish: without ``batch_invariant`` a row's bf16
+logits may then differ (test_gpu_invariance.py says why). With every output the same length nothing
+finishes early and the batches are the same; with ``batch_invariant=True`` any lengths must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import QUESTIONS
+from tidyrun import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def outputs(default_model, params, **kw) -> dict:
+    got = {}
+    for a in (False, True):
+        with LLM(default_model, device="cuda", dtype="bfloat16", max_model_len=512, async_scheduling=a,
+                 **kw) as engine:
+            prompts = [{"prompt_token_ids": engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])}
+                       for q in QUESTIONS]
+            got[a] = [[(c.token_ids, c.finish_reason) for c in o.outputs]
+                      for o in engine.generate(prompts, params, use_tqdm=False)]
+            assert engine._pipeline._in_flight is None
+        assert engine.shutdown().clean
+    return got
+
+
+def test_cuda_async_equals_sync_at_equal_lengths(default_model):
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)] * 4
+    got = outputs(default_model, params)
+    assert got[True] == got[False]
+
+
+def test_cuda_async_equals_sync_batch_invariant(default_model):
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (3, 50, 17, 64)]
+    params += [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=n) for s, n in ((1, 9), (2, 40), (3, 1), (4, 30))]
+    got = outputs(default_model, params, batch_invariant=True)
+    assert got[True] == got[False]
