@@ -59,11 +59,12 @@ def make_workload(n: int, prompt_range: list[int], output_range: list[int], voca
 def make_llm(ckpt: str, args: argparse.Namespace, mode: str, **kwargs):
     from tidyrun import LLM
 
-    if mode == "eager":
+    parts = mode.split("+")  # "invariant+async": both
+    if "eager" in parts:
         kwargs["enforce_eager"] = True
-    if mode == "invariant":  # graphs, batch_invariant=True
+    if "invariant" in parts:  # graphs, batch_invariant=True
         kwargs["batch_invariant"] = True
-    if mode == "async":  # graphs, async_scheduling=True
+    if "async" in parts:  # graphs, async_scheduling=True
         kwargs["async_scheduling"] = True
     return LLM(ckpt, device=args.device, dtype=args.dtype, **kwargs)
 
@@ -171,13 +172,14 @@ def decode_steps(ckpt: str, args: argparse.Namespace, mode: str) -> list[dict]:
             preempt0 = llm.stats()["preemptions"]
             times = []
             sync(args.device)
-            if mode == "async":  # a step overlaps the next one's launch: synchronizing each would undo that
+            overlapped = "async" in mode.split("+")
+            if overlapped:  # a step overlaps the next one's launch: synchronizing each would undo that
                 t0 = time.perf_counter()
                 for _ in range(k):
                     llm.step()
                 sync(args.device)
                 times = [(time.perf_counter() - t0) / k]
-            for _ in range(0 if mode == "async" else k):
+            for _ in range(0 if overlapped else k):
                 t0 = time.perf_counter()
                 llm.step()
                 sync(args.device)
@@ -258,9 +260,9 @@ def prepare_workload(args: argparse.Namespace) -> tuple[str, Workload, Workload]
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
-    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager", "invariant", "async"], default=["graphs"],
-                    help="graphs: the engine's default; eager: enforce_eager=True; invariant: batch_invariant=True; "
-                         "async: async_scheduling=True")
+    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager", "invariant", "async", "invariant+async"],
+                    default=["graphs"], help="graphs: the engine's default; eager: enforce_eager=True; invariant: "
+                    "batch_invariant=True; async: async_scheduling=True; invariant+async: both")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-requests", type=int, default=None, help="run transformers on the first N requests only")
