@@ -64,8 +64,7 @@ def make_llm(ckpt: str, args: argparse.Namespace, mode: str, **kwargs):
         kwargs["enforce_eager"] = True
     if "invariant" in parts:  # graphs, batch_invariant=True
         kwargs["batch_invariant"] = True
-    if "async" in parts:  # graphs, async_scheduling=True
-        kwargs["async_scheduling"] = True
+    kwargs["async_scheduling"] = "async" in parts  # explicit both ways: the engine's default is on for CUDA
     return LLM(ckpt, device=args.device, dtype=args.dtype, **kwargs)
 
 
@@ -261,8 +260,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
     ap.add_argument("--modes", nargs="+", choices=["graphs", "eager", "invariant", "async", "invariant+async"],
-                    default=["graphs"], help="graphs: the engine's default; eager: enforce_eager=True; invariant: "
-                    "batch_invariant=True; async: async_scheduling=True; invariant+async: both")
+                    default=["graphs"], help="graphs: CUDA graphs, synchronous steps (async_scheduling=False); eager: "
+                    "enforce_eager=True; invariant: batch_invariant=True; async: async_scheduling=True (the "
+                    "engine's default on CUDA); invariant+async: both")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-requests", type=int, default=None, help="run transformers on the first N requests only")

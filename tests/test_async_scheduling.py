@@ -6,6 +6,7 @@ fails; and no launched step may outlive its sequences."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tidyrun import LLM, SamplingParams
 from tidyrun.errors import InvalidRequestError
@@ -193,3 +194,24 @@ def test_sleep_and_shutdown_with_a_step_launched_ahead(default_model):
 def test_refused_options_are_named(default_model, options, message):
     with pytest.raises(InvalidRequestError, match=message):
         LLM(default_model, device="cpu", **options)
+
+
+def test_default_overlaps_steps_only_where_it_applies(default_model):
+    """None (vLLM's default): on for a CUDA device with one rank and no speculation; off on the CPU, where
+    the "device" computes while the host launches and nothing would overlap; an explicit value wins."""
+    from tidyrun.config import EngineConfig, SpeculativeConfig
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert EngineConfig(model="m").overlaps_steps(cuda)
+    assert not EngineConfig(model="m").overlaps_steps(cpu)
+    assert not EngineConfig(model="m", async_scheduling=False).overlaps_steps(cuda)
+    assert EngineConfig(model="m", async_scheduling=True).overlaps_steps(cpu)
+    ngram = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 2})
+    spec = EngineConfig(model="m", speculative=ngram)
+    assert not spec.overlaps_steps(cuda)
+    assert not EngineConfig(model="m", tensor_parallel_size=2).overlaps_steps(cuda)
+    llm = LLM(default_model, device="cpu", dtype="float32", max_model_len=256)
+    try:
+        assert not llm._pipeline.ahead
+    finally:
+        llm.shutdown()

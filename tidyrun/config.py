@@ -200,8 +200,9 @@ class EngineConfig:
     batch_invariant: bool = False
     # vLLM's async scheduling: the next decode step is launched before the host reads this step's tokens,
     # which it books while that step runs (pipeline.py); steps that need the host's view of their tokens
-    # (logprobs, penalties, grammars, speculation) run as before. One rank, no speculation.
-    async_scheduling: bool = False
+    # (logprobs, penalties, grammars, speculation) run as before. One rank, no speculation. None (vLLM's
+    # default): on where it applies (a CUDA device, one rank, no speculation), else off.
+    async_scheduling: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
     # Ranks the model is split over (one process each; rank 0 is this process). Checked against the model
     # (at most one rank per KV head) and the devices when the engine starts.
@@ -228,6 +229,13 @@ class EngineConfig:
     # A Hugging Face tokenizer (folder or cached id, at ``tokenizer_revision``) instead of the model's own.
     tokenizer: str | None = None
     tokenizer_revision: str | None = None
+
+    def overlaps_steps(self, device: torch.device) -> bool:
+        """Whether plain steps are launched one ahead: ``async_scheduling``, or where it is None, on a CUDA
+        device with one rank and no speculation (measured faster there: docs/BENCHMARKS.md)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device.type == "cuda" and self.tensor_parallel_size == 1 and self.speculative is None
 
     def __post_init__(self) -> None:
         from .errors import InvalidRequestError
@@ -259,8 +267,9 @@ class EngineConfig:
         if self.kernels not in (None, "torch", "triton"):
             raise InvalidRequestError(f"kernels must be 'torch', 'triton' or None, got {self.kernels!r}")
         for name in ("enforce_eager", "keep_host_buffers", "batch_invariant", "async_scheduling"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "async_scheduling" and value is None):
+                raise InvalidRequestError(f"{name} must be a bool, got {value!r}")
         if self.batch_invariant and tp > 1:
             raise InvalidRequestError("batch_invariant=True is not available with tensor_parallel_size > 1: "
                                       "the all-reduce's order over rows is not verified (docs/BENCHMARKS.md)")

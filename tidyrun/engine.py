@@ -188,7 +188,8 @@ class LLM:
     scheduling and staging overlap the device's work (pipeline.py); the
     tokens are the same. Steps that need their tokens on the host first
     (logprobs, penalties, grammars) run as before; refused with speculation
-    and ``tensor_parallel_size > 1``. None or False: off.
+    and ``tensor_parallel_size > 1``. None (vLLM's default): on for a CUDA
+    device with one rank and no speculation, else off. False: off.
     ``tensor_parallel_size=N`` splits the model over N ranks: this process
     is rank 0 and spawns N - 1 worker processes (one per further GPU on
     CUDA, gloo on the CPU; a script needs ``if __name__ == "__main__"``);
@@ -298,7 +299,7 @@ class LLM:
                                          self.tokenizer.eos_token_ids)
         # Steps: schedule → run → book; with async_scheduling, plain steps launched one ahead (pipeline.py).
         self._pipeline = StepPipeline(self.scheduler, self.runner, self.tokenizer.eos_token_ids,
-                                      config.async_scheduling)
+                                      config.overlaps_steps(self.runner.device))
         self._requests: dict[str, _Request] = {}
         # Finished outputs not yet handed out; step() returns them, so none is ever dropped.
         self._pending_outputs: list[RequestOutput] = []
