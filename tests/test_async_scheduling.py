@@ -84,6 +84,41 @@ def test_steps_that_need_the_host_run_synchronously_and_agree(engines):
     assert counts["launched"] > 0 and counts["run"] == 0, counts
 
 
+def records(outputs) -> list:
+    """Per completion: tokens, ranks, log-probabilities and the cumulative sum."""
+    return [(c.token_ids, None if c.logprobs is None else [[(t, v.rank, v.logprob) for t, v in d.items()]
+                                                           for d in c.logprobs], c.cumulative_logprob)
+            for o in outputs for c in o.outputs]
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0, max_tokens=20, logprobs=0), SamplingParams(temperature=0, max_tokens=9),
+     SamplingParams(temperature=0, max_tokens=30, logprobs=0)],  # every row greedy: the argmax pass
+    [SamplingParams(temperature=0, max_tokens=20, logprobs=0),
+     SamplingParams(temperature=1.0, seed=4, max_tokens=25, logprobs=0, n=2),
+     SamplingParams(temperature=0.8, seed=8, max_tokens=18)],  # sampled from the whole distribution: the race
+], ids=["greedy", "race"])
+def test_rollout_logprobs_run_ahead_with_the_same_records(engines, params):
+    """An RL rollout's ``logprobs=0`` (TRL, verl): the record comes from the pass that picks the token, so
+    those steps run ahead too, with the same tokens and ranks and the same log-probabilities within 1e-5:
+    a sequence that finished is computed once more ahead, so some steps hold another number of rows, and
+    the CPU's BLAS rounds a row's logits by the rows beside it (``batch_invariant`` removes that on CUDA)."""
+    counts = count_launches(engines[True])
+    sync = engines[False].generate(list(QUESTIONS[:3]), params, use_tqdm=False)
+    ahead = engines[True].generate(list(QUESTIONS[:3]), params, use_tqdm=False)
+    for (tokens, recs, total), (want_tokens, want_recs, want_total) in zip(records(ahead), records(sync)):
+        assert tokens == want_tokens
+        assert (recs is None) == (want_recs is None)
+        if recs is not None:
+            assert [[(t, r) for t, r, _ in d] for d in recs] == [[(t, r) for t, r, _ in d] for d in want_recs]
+            values = [v for d in recs for _, _, v in d]
+            assert max(abs(v - w) for v, w in zip(values, (w for d in want_recs for _, _, w in d))) <= 1e-5
+            assert total == pytest.approx(want_total, abs=1e-4) and total == pytest.approx(sum(values), abs=1e-6)
+    longest = max(len(c.token_ids) for o in ahead for c in o.outputs)
+    assert counts["launched"] >= longest and counts["run"] == 0, counts  # every step ran ahead
+    assert all((c.logprobs is None) == (p.logprobs is None) for o, p in zip(ahead, params) for c in o.outputs)
+
+
 def step_until_done(llm: LLM, script: dict) -> dict:
     """Drive ``step()`` by hand: ``script`` maps a step number to ("add", key, prompt, params) or
     ("abort", key) actions taken before that step; returns the outputs by key."""

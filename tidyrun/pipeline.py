@@ -10,8 +10,9 @@ and books the first one, so the host's work overlaps the device's.
 
 The price: a sequence that finishes at step N was computed once more in
 step N + 1, whose row for it is dropped. Steps whose tokens the host must
-see first (logprobs, logits processing, grammars, drafts, prompt logprobs,
-a ``min_tokens`` ban: ``launchable``) run synchronously; the tokens are the
+see first (logits processing, grammars, drafts, prompt logprobs, a
+``min_tokens`` ban, logprobs other than the one-pass ``logprobs=0`` of RL
+rollouts: ``launchable``) run synchronously; the tokens and records are the
 same either way. No other state is kept between steps: at most one launched
 step, and none once every sequence in it has finished.
 """
@@ -19,10 +20,14 @@ step, and none once every sequence in it has finished.
 from __future__ import annotations
 
 from collections.abc import Collection
+from functools import partial
+from operator import attrgetter
 
 from .runner.model_runner import LaunchedStep
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import launchable
+
+_NEEDS_PROCESSING, _ONE_PASS = attrgetter("needs_processing"), attrgetter("one_pass")
 
 
 class StepPipeline:
@@ -33,6 +38,7 @@ class StepPipeline:
 
     def __init__(self, scheduler: Scheduler, runner, eos_token_ids: Collection[int], ahead: bool) -> None:
         self.scheduler, self.runner, self.eos_token_ids, self.ahead = scheduler, runner, eos_token_ids, ahead
+        self._launchable = partial(launchable, raw_logprobs=runner.config.logprobs_mode == "raw_logprobs")
         self._in_flight: LaunchedStep | None = None
 
     def step(self) -> set[str]:
@@ -69,9 +75,13 @@ class StepPipeline:
         return self._book(done)
 
     def _all_plain(self) -> bool:
-        """Whether every step the scheduler can make now is plain (it takes running and waiting sequences)."""
+        """Whether every step the scheduler can make now can be launched ahead (it takes running and waiting
+        sequences): each ``launchable``, and logprob records only where every sequence is one-pass."""
         s = self.scheduler
-        return self.ahead and all(map(launchable, s.running)) and all(map(launchable, s.waiting))
+        if not (self.ahead and all(map(self._launchable, s.running)) and all(map(self._launchable, s.waiting))):
+            return False
+        return not (any(map(_NEEDS_PROCESSING, s.running)) or any(map(_NEEDS_PROCESSING, s.waiting))) or (
+            all(map(_ONE_PASS, s.running)) and all(map(_ONE_PASS, s.waiting)))
 
     def _run(self, batch: ScheduledBatch) -> set[str]:
         try:

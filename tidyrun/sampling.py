@@ -80,8 +80,13 @@ class Sampler:
         (the caller's to check, once per sequence: a filtered row would be sampled from its whole
         distribution): one race over the batch, one copy to the host. The tokens are those ``__call__``
         draws from the same generators."""
-        _, packed = self.race(logits, *race_inputs(logits.shape, logits.device, params, generators), True)
-        return [(int(t), lp, int(r)) for t, lp, r in packed.tolist()]
+        return [(int(t), lp, int(r)) for t, lp, r in self.race_packed(logits, params, generators)[1].tolist()]
+
+    def race_packed(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                    generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample_with_logprobs`` left on the device: the tokens (int64) and float64 rows (token, raw
+        log-probability, rank), for a step launched before the host reads them (async scheduling)."""
+        return self.race(logits, *race_inputs(logits.shape, logits.device, params, generators), True)
 
     def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """The distribution [rows, vocab] each (non-greedy) row samples from, after all filters."""

@@ -56,12 +56,16 @@ class StepOutput(NamedTuple):
     prompt_logprobs: list[PromptLogprobRecords]
 
 
-def launchable(seq: "Sequence") -> bool:
-    """Whether a step can draw this sequence's token from the logits alone, so the host need not see the
-    token before the next step is launched (async scheduling): no logprobs, logits processing (penalties,
-    bias, grammar), drafts, prompt logprobs, or stop-token ban below ``min_tokens``."""
-    return not (seq.needs_processing or seq.grammar is not None or seq.draft_tokens
-                or seq.prompt_logprobs is not None or (seq.params.min_tokens and seq.below_min_tokens()))
+def launchable(seq: "Sequence", raw_logprobs: bool) -> bool:
+    """Whether a step can draw this sequence's token (and its ``logprobs=0`` record) from the logits alone,
+    so the host need not see them before the next step is launched (async scheduling): no logits
+    processing (penalties, bias, grammar), drafts, prompt logprobs, or stop-token ban below ``min_tokens``;
+    logprobs only of the one-pass kind (``one_pass``, in ``raw_logprobs`` mode: the RL rollout's), and a
+    step takes those only if all its sequences are one-pass (``Pipeline``, ``ModelRunner.launch``)."""
+    if (seq.grammar is not None or seq.draft_tokens or seq.prompt_logprobs is not None
+            or (seq.params.min_tokens and seq.below_min_tokens())):
+        return False
+    return not seq.needs_processing or (raw_logprobs and seq.one_pass)
 
 
 class SequenceStatus(enum.Enum):

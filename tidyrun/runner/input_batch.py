@@ -145,14 +145,16 @@ def build_reference_batch(h: HostBatch, device: torch.device) -> InputBatch:
 
 
 class HostTokens(NamedTuple):
-    """Sampled tokens being copied into ``StepInputs.tokens_host``; ``event`` marks the copy's end (CUDA)."""
+    """Sampled tokens (and their logprob records: ``records``, None without) being copied into
+    ``StepInputs.tokens_host`` (and ``records_host``); ``event`` marks the copy's end (CUDA)."""
     view: torch.Tensor
+    records: torch.Tensor | None
     event: torch.cuda.Event | None
 
-    def tolist(self) -> list[int]:
+    def read(self) -> tuple[list[int], list[list[float]] | None]:
         if self.event is not None:
             self.event.synchronize()
-        return self.view.tolist()
+        return self.view.tolist(), None if self.records is None else self.records.tolist()
 
 
 class StepInputs:
@@ -160,8 +162,8 @@ class StepInputs:
 
     Owns device memory: one int64 buffer (ledger owner ``inputs``), and a
     pinned host buffer of the same size (``release`` unpins it), plus a
-    pinned one for two steps' sampled tokens on their way back (async
-    scheduling: ``send_tokens``). CUDA graphs capture views of the
+    pinned one for two steps' sampled tokens and one for their logprob
+    records, on their way back (async scheduling: ``send_tokens``). CUDA graphs capture views of the
     device buffer (``graph_views``), so it must outlive them (it is
     acquired before them and released after them). The pinned host buffer
     is tracked as ``inputs_host``. Also the split kernels' arrival counters
@@ -194,6 +196,9 @@ class StepInputs:
         tokens = (pinned_host_buffer(2 * max_seqs, torch.int64) if device.type == "cuda"
                   else torch.zeros(2 * max_seqs, dtype=torch.int64))
         self.tokens_host = ledger.track("inputs_host", "inputs.tokens_host", tokens)
+        records = (pinned_host_buffer(2 * max_seqs * 3, torch.float64) if device.type == "cuda"
+                   else torch.zeros(2 * max_seqs * 3, dtype=torch.float64))
+        self.records_host = ledger.track("inputs_host", "inputs.records_host", records)  # (token, logprob, rank)
         self._token_copies = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else None
         self._token_slot = 0
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -237,23 +242,29 @@ class StepInputs:
         if self._copied is not None:
             self._copied.record()
 
-    def send_tokens(self, tokens: torch.Tensor) -> "HostTokens":
-        """Start copying a step's sampled tokens to the host without waiting for the step (the next one is
-        launched first); ``HostTokens.tolist`` waits for this copy only, not for later work on the stream."""
+    def send_tokens(self, tokens: torch.Tensor, records: torch.Tensor | None = None) -> "HostTokens":
+        """Start copying a step's sampled tokens (and float64 logprob records [rows, 3], if any) to the host
+        without waiting for the step (the next one is launched first); ``HostTokens.read`` waits for this
+        copy only, not for later work on the stream."""
         slot, self._token_slot = self._token_slot, self._token_slot ^ 1
         view = self.tokens_host[slot * self.max_seqs:slot * self.max_seqs + tokens.numel()]
-        if self._token_copies is None:
-            view.copy_(tokens)
-            return HostTokens(view, None)
-        event = self._token_copies[slot]
-        event.synchronize()  # the slot's copy of two steps ago was read before this step was launched
-        view.copy_(tokens, non_blocking=True)
-        event.record()
-        return HostTokens(view, event)
+        rows = None
+        if records is not None:
+            start = slot * self.max_seqs * 3
+            rows = self.records_host[start:start + records.numel()].view(-1, 3)
+        event = None if self._token_copies is None else self._token_copies[slot]
+        if event is not None:
+            event.synchronize()  # the slot's copy of two steps ago was read before this step was launched
+        view.copy_(tokens, non_blocking=event is not None)
+        if rows is not None:
+            rows.copy_(records, non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        return HostTokens(view, rows, event)
 
     def release(self) -> None:
         """Unpin the host buffers (their pages go back to the OS once the last view of them dies)."""
-        for buf in (self.host_buf, self.tokens_host):
+        for buf in (self.host_buf, self.tokens_host, self.records_host):
             if buf.is_pinned():
                 unpin_host_buffer(buf)
 

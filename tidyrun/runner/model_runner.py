@@ -81,10 +81,13 @@ class StepLogits(NamedTuple):
 
 class LaunchedStep(NamedTuple):
     """A step launched without waiting for it (async scheduling): row i of ``tokens`` (int64, on the
-    device) is the token of ``seqs[i]``; ``host`` is their copy on its way to the host (None: none started)."""
+    device) is the token of ``seqs[i]``, row i of ``records`` (float64 token, raw log-probability, rank;
+    None when no sequence asked for logprobs) its ``logprobs=0`` record; ``host`` is their copy on its way
+    to the host (None: none started)."""
     batch: ScheduledBatch
     seqs: list[Sequence]
     tokens: torch.Tensor
+    records: torch.Tensor | None
     host: HostTokens | None
 
 
@@ -454,24 +457,47 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, after: LaunchedStep | None) -> LaunchedStep:
         """Run one step without waiting for its tokens (async scheduling): the host books the step before
         while this one runs. ``after``: the step launched before, whose tokens this one's pending inputs
-        are. Only plain steps (``launchable``): no logprobs, logits processing, grammar, drafts, prompt
-        logprobs or min_tokens ban, whose tokens need nothing but the logits."""
+        are. Only steps of ``launchable`` sequences, whose tokens need nothing but the logits: no logits
+        processing, grammar, drafts, prompt logprobs or min_tokens ban; ``logprobs=0`` records only when
+        the whole step is one-pass (the RL rollout's case: the records come from the pass that picks the
+        tokens, as in ``execute``)."""
         self.check_awake()
         host, seqs, prompt_rows = host_batch(batch, self.block_size)
-        if prompt_rows or not all(launchable(s) for s in batch.seqs):
-            raise ValueError("launch() takes plain steps only; execute() runs the others")
+        raw = self.config.logprobs_mode == "raw_logprobs"
+        if prompt_rows or not all(launchable(s, raw) for s in batch.seqs):
+            raise ValueError("launch() takes launchable steps only; execute() runs the others")
+        one_pass = self._one_pass_logprobs(seqs)
+        if one_pass is None and any(s.needs_processing for s in seqs):
+            raise ValueError("launch() takes logprobs only from a step whose sequences are all one-pass")
         graph = self._graph_key(batch) if self.graphs is not None else None
         step = self.forward_logits(host, graph, pending=None if after is None else after.tokens)
+        records = None
         if step is None:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        elif one_pass == "greedy":
+            tokens, values = step.greedy, step.greedy_logprob
+            if tokens is None or values is None:
+                tokens, values = self.ops.argmax_logprob(step.logits)
+            records = torch.stack([tokens.double(), values.double(), torch.ones_like(values, dtype=torch.float64)], 1)
+        elif one_pass == "race":
+            tokens, records = self.sampler.race_packed(step.logits, [s.params for s in seqs],
+                                                       [s.generator for s in seqs])
         else:
             tokens = self._plain_tokens(step.logits, step.greedy, seqs)
-        return LaunchedStep(batch, seqs, tokens, None if self.inputs is None else self.inputs.send_tokens(tokens))
+        host_copy = None if self.inputs is None else self.inputs.send_tokens(tokens, records)
+        return LaunchedStep(batch, seqs, tokens, records, host_copy)
 
     def collect(self, step: LaunchedStep) -> StepOutput:
-        """The tokens of a launched step, once its copy to the host is done (not the steps after it)."""
-        tokens = step.tokens.tolist() if step.host is None else step.host.tolist()
-        return StepOutput([SampledTokens(s, [t]) for s, t in zip(step.seqs, tokens)], [])
+        """The tokens (and records) of a launched step, once their copy to the host is done (not the steps
+        after it)."""
+        if step.host is not None:
+            tokens, records = step.host.read()
+        else:
+            tokens, records = step.tokens.tolist(), None if step.records is None else step.records.tolist()
+        if records is None:
+            return StepOutput([SampledTokens(s, [t]) for s, t in zip(step.seqs, tokens)], [])
+        return StepOutput([SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, int(r), NO_TOP, NO_TOP)])
+                           for s, t, (_, v, r) in zip(step.seqs, tokens, records)], [])
 
     def _plain_tokens(self, logits: torch.Tensor, greedy: torch.Tensor | None,
                       seqs: list[Sequence]) -> torch.Tensor:
