@@ -43,6 +43,24 @@ def test_kernels_under_interpreter():
     assert "kernels ok" in proc.stdout
 
 
+# CUDA graphs cannot be captured on the CPU: each "graph" runs eagerly on the graph's own input layout and
+# metadata, which checks everything a replay reads (both scripts below).
+GRAPH_EMULATION = """
+def capture(self, model, kv_cache, ctx, warm_up=True):
+    for key in self.keys:
+        self._metas[key] = self._metadata(*key)
+        self._graphs[key] = (model, kv_cache, ctx)
+    return 0.0
+
+def replay(self, key):
+    model, kv_cache, ctx = self._graphs[key]
+    with ctx.scope(self._metas[key]):
+        return self._run(model, key, kv_cache)
+
+CudaGraphManager.capture, CudaGraphManager.replay = capture, replay
+"""
+
+
 ENGINE_SCRIPT = """
 import sys
 from tidyrun import LLM, SamplingParams
@@ -76,19 +94,7 @@ assert run(batch_invariant=True)[0] == reference, "batch-invariant Triton path d
 
 # CUDA graphs cannot be captured on the CPU; running each "graph" eagerly on the graph's own input layout
 # and metadata checks everything a replay reads: padded decode batches and padded draft-verification batches.
-def capture(self, model, kv_cache, ctx, warm_up=True):
-    for key in self.keys:
-        self._metas[key] = self._metadata(*key)
-        self._graphs[key] = (model, kv_cache, ctx)
-    return 0.0
-
-def replay(self, key):
-    model, kv_cache, ctx = self._graphs[key]
-    with ctx.scope(self._metas[key]):
-        return self._run(model, key, kv_cache)
-
-CudaGraphManager.capture, CudaGraphManager.replay = capture, replay
-ModelRunner._graph_sizes = lambda self, config: {1: (1, 2, 4, 8), 4: (1, 2, 4, 8)}
+""" + GRAPH_EMULATION + """ModelRunner._graph_sizes = lambda self, config: {1: (1, 2, 4, 8), 4: (1, 2, 4, 8)}
 replays = []
 real_replay = CudaGraphManager.replay
 CudaGraphManager.replay = lambda self, key: replays.append(key) or real_replay(self, key)
@@ -120,33 +126,27 @@ ckpt = write_random_checkpoint(sys.argv[1], "llama-tiny", device="cpu")
 prompts = ["the quick brown fox jumps over the lazy dog " * 3 + "and runs", "a", "def main():\\n    print('hi')\\n" * 2]
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 4, 7)]
 sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=9, ignore_eos=True)
+rollout = [SamplingParams(temperature=t, seed=5, max_tokens=6, ignore_eos=True, logprobs=0) for t in (0, 1.0)]
 
 def run(**kw):
     with LLM(ckpt, device="cpu", dtype="float32", max_num_batched_tokens=24, **kw) as llm:
         out = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:2], sampled, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in out]
+        out += llm.generate(prompts[:2], rollout, use_tqdm=False)  # RL records, launched ahead too
+        tokens = [o.outputs[0].token_ids for o in out]
+        return tokens, [v.logprob for o in out if o.outputs[0].logprobs for d in o.outputs[0].logprobs for v in d.values()]
 
-reference = run()
+reference, reference_logprobs = run()
 ModelRunner._choose_ops = lambda self, config: TritonOps(num_sms=4, ctx=self.ctx, float32_kernels=True)
 # Graphs run eagerly on their own input layout (as in the engine test above): decode steps take their
 # pending tokens into the padded graph inputs, prefill chunks run eager.
-def capture(self, model, kv_cache, ctx, warm_up=True):
-    for key in self.keys:
-        self._metas[key] = self._metadata(*key)
-        self._graphs[key] = (model, kv_cache, ctx)
-    return 0.0
-
-def replay(self, key):
-    model, kv_cache, ctx = self._graphs[key]
-    with ctx.scope(self._metas[key]):
-        return self._run(model, key, kv_cache)
-
-CudaGraphManager.capture, CudaGraphManager.replay = capture, replay
-ModelRunner._graph_sizes = lambda self, config: {1: (1, 2, 4)}
+""" + GRAPH_EMULATION + """ModelRunner._graph_sizes = lambda self, config: {1: (1, 2, 4)}
 launched = []
 real_launch = ModelRunner.launch
 ModelRunner.launch = lambda self, batch, after: launched.append(after is not None) or real_launch(self, batch, after)
-assert run(async_scheduling=True) == reference, "async scheduling on the Triton path differs"
+tokens, logprobs = run(async_scheduling=True)
+assert tokens == reference, "async scheduling on the Triton path differs"
+assert len(logprobs) == len(reference_logprobs) == 12, logprobs
+assert max(abs(a - b) for a, b in zip(logprobs, reference_logprobs)) <= 1e-4, (logprobs, reference_logprobs)
 assert sum(launched) > 10, launched  # steps ran ahead, feeding each other on the device
 print("async ok")
 """
