@@ -200,8 +200,8 @@ class EngineConfig:
     batch_invariant: bool = False
     # vLLM's async scheduling: the next decode step is launched before the host reads this step's tokens,
     # which it books while that step runs (pipeline.py); steps that need the host's view of their tokens
-    # (logprobs, penalties, grammars, speculation) run as before. One rank, no speculation. None (vLLM's
-    # default): on where it applies (a CUDA device, one rank, no speculation), else off.
+    # (penalties, grammars, logprobs beyond the one-pass logprobs=0) run as before. One rank, no
+    # speculation. None (vLLM's default): on where it applies (a CUDA device, one rank, no speculation).
     async_scheduling: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
     # Ranks the model is split over (one process each; rank 0 is this process). Checked against the model

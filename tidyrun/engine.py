@@ -187,7 +187,8 @@ class LLM:
     before the host has read the previous step's tokens, so booking them,
     scheduling and staging overlap the device's work (pipeline.py); the
     tokens are the same. Steps that need their tokens on the host first
-    (logprobs, penalties, grammars) run as before; refused with speculation
+    (penalties, grammars, logprobs other than an RL rollout's one-pass
+    ``logprobs=0``) run as before; refused with speculation
     and ``tensor_parallel_size > 1``. None (vLLM's default): on for a CUDA
     device with one rank and no speculation, else off. False: off.
     ``tensor_parallel_size=N`` splits the model over N ranks: this process
