@@ -24,8 +24,13 @@ def outputs(default_model, params, **kw) -> dict:
                  **kw) as engine:
             prompts = [{"prompt_token_ids": engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])}
                        for q in QUESTIONS]
-            got[a] = [[(c.token_ids, c.finish_reason) for c in o.outputs]
+            counts = {"launched": 0}
+            launch = engine._pipeline._launch
+            engine._pipeline._launch = lambda *args: counts.__setitem__("launched", counts["launched"] + 1) or launch(*args)
+            got[a] = [[(c.token_ids, c.finish_reason, None if c.logprobs is None else
+                        [[(t, v.rank, v.logprob) for t, v in d.items()] for d in c.logprobs]) for c in o.outputs]
                       for o in engine.generate(prompts, params, use_tqdm=False)]
+            assert (counts["launched"] > 0) == a, counts  # the async engine ran its steps ahead
             assert engine._pipeline._in_flight is None
         assert engine.shutdown().clean
     return got
@@ -43,3 +48,15 @@ def test_cuda_async_equals_sync_batch_invariant(default_model):
     params += [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=n) for s, n in ((1, 9), (2, 40), (3, 1), (4, 30))]
     got = outputs(default_model, params, batch_invariant=True)
     assert got[True] == got[False]
+
+
+def test_cuda_rollout_logprobs_ahead_equal_sync(default_model):
+    """An RL rollout (logprobs=0, greedy and sampled from the whole distribution, n=2): launched ahead, the
+    same tokens, ranks and log-probabilities (bit for bit: batch-invariant, so any lengths)."""
+    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0) for n in (5, 40, 23, 64)]
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=n, logprobs=0, n=2) for s, n in ((1, 30), (2, 12))]
+    params += [SamplingParams(temperature=1.0, seed=9, max_tokens=20), SamplingParams(temperature=0, max_tokens=33)]
+    got = outputs(default_model, params, batch_invariant=True)
+    assert got[True] == got[False]
+    assert all(c[2] is not None for o in got[True][:6] for c in o) and got[True][6][0][2] is None
+
