@@ -61,7 +61,7 @@ def launchable(seq: "Sequence", raw_logprobs: bool) -> bool:
     so the host need not see them before the next step is launched (async scheduling): no logits
     processing (penalties, bias, grammar), drafts, prompt logprobs, or stop-token ban below ``min_tokens``;
     logprobs only of the one-pass kind (``one_pass``, in ``raw_logprobs`` mode: the RL rollout's), and a
-    step takes those only if all its sequences are one-pass (``Pipeline``, ``ModelRunner.launch``)."""
+    step takes those only if all its sequences are one-pass (``StepPipeline``, ``ModelRunner.launch``)."""
     if (seq.grammar is not None or seq.draft_tokens or seq.prompt_logprobs is not None
             or (seq.params.min_tokens and seq.below_min_tokens())):
         return False
