@@ -74,18 +74,12 @@ class Sampler:
                                    [generators[i] for i in rows])
         return RaceDraw(rows, noise, scale)
 
-    def sample_with_logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                             generators: Sequence[torch.Generator | None]) -> list[tuple[int, float, int]]:
-        """(token, its raw log-probability, its rank) per row, for rows that are all greedy or ``unfiltered``
-        (the caller's to check, once per sequence: a filtered row would be sampled from its whole
-        distribution): one race over the batch, one copy to the host. The tokens are those ``__call__``
-        draws from the same generators."""
-        return [(int(t), lp, int(r)) for t, lp, r in self.race_packed(logits, params, generators)[1].tolist()]
-
     def race_packed(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                     generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sample_with_logprobs`` left on the device: the tokens (int64) and float64 rows (token, raw
-        log-probability, rank), for a step launched before the host reads them (async scheduling)."""
+        """For rows that are all greedy or ``unfiltered`` (the caller's to check, once per sequence: a
+        filtered row would be sampled from its whole distribution): one race over the batch, on the device:
+        the tokens (int64) and float64 rows (token, raw log-probability, rank). The tokens are those
+        ``__call__`` draws from the same generators."""
         return self.race(logits, *race_inputs(logits.shape, logits.device, params, generators), True)
 
     def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

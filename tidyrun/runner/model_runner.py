@@ -91,6 +91,13 @@ class LaunchedStep(NamedTuple):
     host: HostTokens | None
 
 
+def _with_records(seqs: list[Sequence], records: list[list[float]]) -> list[SampledTokens]:
+    """One token per sequence from its (token, raw log-probability, rank) row, with its ``logprobs=0``
+    record for the sequences that asked."""
+    return [SampledTokens(s, [int(t)], None if s.params.logprobs is None else [(int(t), v, int(r), NO_TOP, NO_TOP)])
+            for s, (t, v, r) in zip(seqs, records)]
+
+
 class ModelRunner:
     accepts_rank_slices = False  # pushed weights must be full tensors (a launched rank also takes its slice)
 
@@ -474,14 +481,8 @@ class ModelRunner:
         records = None
         if step is None:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        elif one_pass == "greedy":
-            tokens, values = step.greedy, step.greedy_logprob
-            if tokens is None or values is None:
-                tokens, values = self.ops.argmax_logprob(step.logits)
-            records = torch.stack([tokens.double(), values.double(), torch.ones_like(values, dtype=torch.float64)], 1)
-        elif one_pass == "race":
-            tokens, records = self.sampler.race_packed(step.logits, [s.params for s in seqs],
-                                                       [s.generator for s in seqs])
+        elif one_pass is not None:
+            tokens, records = self._one_pass_records(one_pass, *step, seqs)
         else:
             tokens = self._plain_tokens(step.logits, step.greedy, seqs)
         host_copy = None if self.inputs is None else self.inputs.send_tokens(tokens, records)
@@ -496,8 +497,7 @@ class ModelRunner:
             tokens, records = step.tokens.tolist(), None if step.records is None else step.records.tolist()
         if records is None:
             return StepOutput([SampledTokens(s, [t]) for s, t in zip(step.seqs, tokens)], [])
-        return StepOutput([SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, int(r), NO_TOP, NO_TOP)])
-                           for s, t, (_, v, r) in zip(step.seqs, tokens, records)], [])
+        return StepOutput(_with_records(step.seqs, records), [])
 
     def _plain_tokens(self, logits: torch.Tensor, greedy: torch.Tensor | None,
                       seqs: list[Sequence]) -> torch.Tensor:
@@ -519,10 +519,9 @@ class ModelRunner:
         if not seqs:
             return StepOutput([], prompt)
         one_pass = self._one_pass_logprobs(seqs)
-        if one_pass == "greedy":
-            return StepOutput(self._greedy_with_logprobs(logits, greedy, greedy_logprob, seqs), prompt)
-        if one_pass == "race":
-            return StepOutput(self._race_with_logprobs(logits, seqs), prompt)
+        if one_pass is not None:  # one copy to the host: the records hold the tokens
+            _, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, seqs)
+            return StepOutput(_with_records(seqs, records.tolist()), prompt)
         if any(s.needs_processing for s in seqs):
             return StepOutput(self._sample_processed(logits, seqs, masks), prompt)
         return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
@@ -540,22 +539,19 @@ class ModelRunner:
             return None
         return "greedy" if all(s.greedy for s in seqs) else "race"
 
-    def _race_with_logprobs(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
-        """Tokens and their raw log-probabilities and ranks from one race over the logits (the same tokens
-        the sampler draws when other sequences of the step need processing)."""
-        rows = self.sampler.sample_with_logprobs(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return [SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, rank, NO_TOP, NO_TOP)])
-                for s, (t, v, rank) in zip(seqs, rows)]
-
-    def _greedy_with_logprobs(self, logits: torch.Tensor, greedy: torch.Tensor | None,
-                              greedy_logprob: torch.Tensor | None, seqs: list[Sequence]) -> list[SampledTokens]:
-        """Greedy tokens and their log-probabilities from one pass over the logits (inside the CUDA graph when
-        one ran): the argmax's rank is 1 by definition, so nothing else needs the vocabulary."""
+    def _one_pass_records(self, mode: str, logits: torch.Tensor, greedy: torch.Tensor | None,
+                          greedy_logprob: torch.Tensor | None,
+                          seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens and their float64 records (token, raw log-probability, rank), on the device, from the
+        pass that picks the tokens (``_one_pass_logprobs``'s ``mode``): "greedy", the argmax pass (inside
+        the CUDA graph when one ran; the argmax's rank is 1 by definition, so nothing else needs the
+        vocabulary); "race", one race over the batch, the tokens the sampler draws from the same generators."""
+        if mode == "race":
+            return self.sampler.race_packed(logits, [s.params for s in seqs], [s.generator for s in seqs])
         if greedy is None or greedy_logprob is None:
             greedy, greedy_logprob = self.ops.argmax_logprob(logits)
-        tokens, values = greedy.tolist(), greedy_logprob.tolist()
-        return [SampledTokens(s, [t], None if s.params.logprobs is None else [(t, v, 1, NO_TOP, NO_TOP)])
-                for s, t, v in zip(seqs, tokens, values)]
+        ranks = torch.ones_like(greedy_logprob, dtype=torch.float64)
+        return greedy, torch.stack([greedy.double(), greedy_logprob.double(), ranks], 1)
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor | None,
                 seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
