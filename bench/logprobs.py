@@ -63,10 +63,10 @@ def step_times(llm, params, batch: int, plen: int, steps: int, vocab: int, devic
     return times
 
 
-def decode_rows(ckpt: str, args: argparse.Namespace) -> list[dict]:
+def decode_rows(ckpt: str, args: argparse.Namespace, mode: str) -> list[dict]:
     from tidyrun import SamplingParams
 
-    llm = make_llm(ckpt, args, "graphs", max_num_seqs=max(256, *args.batch_sizes))
+    llm = make_llm(ckpt, args, mode, max_num_seqs=max(256, *args.batch_sizes))
     rows = []
     try:
         vocab = llm.runner.model_config.vocab_size
@@ -82,7 +82,7 @@ def decode_rows(ckpt: str, args: argparse.Namespace) -> list[dict]:
                                                 max_tokens=max_tokens, ignore_eos=True, logprobs=lp)
                         times[lp] += step_times(llm, params, b, plen, args.decode_steps, vocab, args.device)
                 ms = {lp: statistics.median(t) * 1e3 for lp, t in times.items()}
-                rows.append(dict(temperature=temperature, batch=b, plain_ms=ms[None], logprobs0_ms=ms[0],
+                rows.append(dict(mode=mode, temperature=temperature, batch=b, plain_ms=ms[None], logprobs0_ms=ms[0],
                                  overhead=ms[0] / ms[None] - 1))
     finally:
         llm.shutdown()
@@ -111,13 +111,15 @@ def structured_rows(args: argparse.Namespace) -> list[dict]:
     round (constrained, and unconstrained with the constrained run's token counts); medians over
     ``--rounds``."""
     models = [("default", None)] + [(s, structured_checkpoint(s, args.device)) for s in args.structured_shapes]
-    return [structured_row(name, ckpt, args) for name, ckpt in models]
+    return [structured_row(name, ckpt, args, scheduling) for scheduling in args.structured_scheduling
+            for name, ckpt in models]
 
 
-def structured_row(name: str, ckpt: str | None, args: argparse.Namespace) -> dict:
+def structured_row(name: str, ckpt: str | None, args: argparse.Namespace, scheduling: str) -> dict:
     from tidyrun import LLM, SamplingParams, StructuredOutputsParams
 
-    llm = LLM(ckpt, device=args.device, dtype=args.dtype, max_model_len=1024)
+    overlap = {"default": None, "async": True, "sync": False}[scheduling]
+    llm = LLM(ckpt, device=args.device, dtype=args.dtype, max_model_len=1024, async_scheduling=overlap)
     try:
         prompts = [llm.get_tokenizer().apply_chat_template(
             [{"role": "user", "content": f"Describe person number {i} as JSON with name, age and city."}],
@@ -148,7 +150,7 @@ def structured_row(name: str, ckpt: str | None, args: argparse.Namespace) -> dic
             times["free"].append(timed(free)[0])
         tokens = sum(counts)
         t = {k: statistics.median(v) for k, v in times.items()}
-        return dict(model=name, requests=len(prompts), output_tokens=tokens,
+        return dict(model=name, scheduling=scheduling, requests=len(prompts), output_tokens=tokens,
                     valid=sum(_valid(o.outputs[0].text) for o in first), seconds=times,
                     json_us_per_token=t["json"] / tokens * 1e6, free_us_per_token=t["free"] / tokens * 1e6,
                     overhead=t["json"] / t["free"] - 1)
@@ -174,6 +176,10 @@ def main() -> None:
     ap.add_argument("--json-requests", type=int, default=64)
     ap.add_argument("--structured-shapes", nargs="*", default=["llama-1.2b"],
                     help="random checkpoints (with the default model's tokenizer) to run (b) on besides the default model")
+    ap.add_argument("--decode-modes", nargs="+", default=["graphs", "graphs+async"],
+                    help="engine modes of (a), as throughput.py's --modes (graphs: synchronous steps)")
+    ap.add_argument("--structured-scheduling", nargs="+", default=["default"], choices=["default", "async", "sync"],
+                    help="async_scheduling of (b)'s engine: the engine's default (on for CUDA), on, off")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-structured", action="store_true")
     ap.add_argument("--json", default="bench/results/logprobs.json")
@@ -181,20 +187,20 @@ def main() -> None:
     decode = structured = []
     if not args.skip_decode:
         ckpt, _, _ = prepare_workload(args)
-        decode = decode_rows(ckpt, args)
+        decode = [row for mode in args.decode_modes for row in decode_rows(ckpt, args, mode)]
         print(f"\n(a) decode step, {args.shape} ({args.dtype}), prompt {args.decode_prompt_len}")
-        print("| temperature | batch | logprobs=None ms | logprobs=0 ms | overhead |")
-        print("|---|---|---|---|---|")
+        print("| mode | temperature | batch | logprobs=None ms | logprobs=0 ms | overhead |")
+        print("|---|---|---|---|---|---|")
         for r in decode:
-            print(f"| {r['temperature']} | {r['batch']} | {r['plain_ms']:.3f} | {r['logprobs0_ms']:.3f} | "
+            print(f"| {r['mode']} | {r['temperature']} | {r['batch']} | {r['plain_ms']:.3f} | {r['logprobs0_ms']:.3f} | "
                   f"{r['overhead'] * 100:+.1f}% |")
     if not args.skip_structured:
         structured = structured_rows(args)
         print(f"\n(b) JSON schema, temperature 1, median of {args.rounds} alternating rounds")
-        print("| model | requests | output tokens | valid | JSON us/token | unconstrained us/token | overhead |")
-        print("|---|---|---|---|---|---|---|")
+        print("| model | scheduling | requests | output tokens | valid | JSON us/token | unconstrained us/token | overhead |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in structured:
-            print(f"| {r['model']} | {r['requests']} | {r['output_tokens']} | {r['valid']} | "
+            print(f"| {r['model']} | {r['scheduling']} | {r['requests']} | {r['output_tokens']} | {r['valid']} | "
                   f"{r['json_us_per_token']:.1f} | {r['free_us_per_token']:.1f} | {r['overhead'] * 100:+.1f}% |")
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
