@@ -278,6 +278,7 @@ def check_race(device, dtype, shapes=((1, 10000), (5, 4097), (3, 700)), block=51
     """race_sample (Triton) against the torch reference on the same noise: the same tokens (greedy rows the
     argmax, a tie to the first index), the same log-probabilities (1e-4) and ranks; rows of -inf (masked
     tokens) are never drawn; a strided view of the logits reads right; without logprobs the same tokens."""
+    from tidyrun.kernels.argmax import argmax_logprob_rows
     from tidyrun.kernels.race import race_sample
     from tidyrun.sampling import race_sample as reference
 
@@ -300,6 +301,13 @@ def check_race(device, dtype, shapes=((1, 10000), (5, 4097), (3, 700)), block=51
             assert tokens[2].item() >= vocab // 2, "a masked token was drawn"
         again, none = race_sample(x, noise, scale, False, block=block)
         assert none is None and torch.equal(again, tokens), "race without logprobs"
+        # A greedy row's record is the argmax pass's, bit for bit: which of the two a step takes depends on
+        # its other rows (all greedy or not), and a row's logprob must not.
+        greedy = torch.tensor([[1.0, 0.0]] * rows, device=device)
+        _, raced = race_sample(x, noise, greedy, True, block=block)
+        at, logprob = argmax_logprob_rows(x, block=block)
+        assert torch.equal(raced[:, 0], at.double()), f"greedy race tokens {rows}x{vocab}"
+        assert torch.equal(raced[:, 1], logprob.double()), f"greedy race logprobs {rows}x{vocab} != argmax pass"
 
 
 # (tokens, hidden, expert intermediate, experts, top-k, skew): skew > 0 draws routing from a few favourite
