@@ -66,22 +66,62 @@ def test_plain_requests_give_the_same_tokens_and_run_ahead(engines):
     assert engines[True]._pipeline._in_flight is None  # the step after the last finish was dropped
 
 
-def test_steps_that_need_the_host_run_synchronously_and_agree(engines):
-    """Logprobs, penalties and min_tokens bans need each token on the host before the next step: those
-    steps run as before (and a batch mixing them with plain requests too), with the same results."""
+def test_steps_with_wide_logprobs_run_synchronously_and_agree(engines):
+    """Top-k logprobs and prompt logprobs need more than one record per token on the host: those steps run
+    as before (and a batch mixing them with plain requests too), with the same results."""
     params = MIXED[:4] + [SamplingParams(temperature=0, max_tokens=20, logprobs=2),
-                          SamplingParams(temperature=1.0, seed=9, max_tokens=20, repetition_penalty=1.3),
-                          SamplingParams(temperature=0, max_tokens=20, min_tokens=15),
-                          SamplingParams(temperature=1.0, seed=1, max_tokens=20, presence_penalty=0.5, logprobs=0)]
+                          SamplingParams(temperature=1.0, seed=9, max_tokens=12, prompt_logprobs=1)]
     counts = count_launches(engines[True])
-    sync = engines[False].generate(list(QUESTIONS), params, use_tqdm=False)
-    ahead = engines[True].generate(list(QUESTIONS), params, use_tqdm=False)
+    sync = engines[False].generate(list(QUESTIONS[:6]), params, use_tqdm=False)
+    ahead = engines[True].generate(list(QUESTIONS[:6]), params, use_tqdm=False)
     assert summary(ahead) == summary(sync)
+    assert [o.prompt_logprobs for o in ahead][5] == [o.prompt_logprobs for o in sync][5]
     assert counts["run"] > 0, counts
     # Alone, the plain ones run ahead again.
     counts = count_launches(engines[True])
     assert summary(engines[True].generate(list(QUESTIONS[:4]), params[:4], use_tqdm=False)) == summary(sync[:4])
     assert counts["launched"] > 0 and counts["run"] == 0, counts
+
+
+def test_processed_steps_launch_ahead_and_sample_after_booking(engines):
+    """Penalties, bias, bans, min_tokens, logprobs=0 of processed rows and grammars: the forward pass is
+    launched ahead and the step sampled once the step before is booked (``launch(defer=True)``). Same
+    tokens as the synchronous engine, logprobs within 1e-5 (the CPU's BLAS rounds a row by its batch: a
+    finished sequence is computed once more ahead), every grammar output valid, every step ahead."""
+    from tidyrun import StructuredOutputsParams
+
+    tok = engines[False].get_tokenizer()
+    banned = tok.encode(" the", add_special_tokens=False)
+    params = MIXED[:3] + [
+        SamplingParams(temperature=1.0, seed=9, max_tokens=20, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=15, logprobs=0),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=20, presence_penalty=0.5, frequency_penalty=0.3,
+                       logprobs=0),
+        SamplingParams(temperature=0, max_tokens=16, logit_bias={banned[0]: -100.0}, bad_words=["Paris"]),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=40, structured_outputs=StructuredOutputsParams(
+            json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=20, n=2,
+                       structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=20, logprobs=0,
+                       structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,5}")),
+    ]
+    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(len(params))]
+    counts = count_launches(engines[True])
+    sync = engines[False].generate(prompts, params, use_tqdm=False)
+    ahead = engines[True].generate(prompts, params, use_tqdm=False)
+    for (tokens, recs, total), (want_tokens, want_recs, want_total) in zip(records(ahead), records(sync)):
+        assert tokens == want_tokens
+        assert (recs is None) == (want_recs is None)
+        if recs is not None:
+            assert [[(t, r) for t, r, _ in d] for d in recs] == [[(t, r) for t, r, _ in d] for d in want_recs]
+            values = [v for d in recs for _, _, v in d]
+            assert max(abs(v - w) for v, w in zip(values, (w for d in want_recs for _, _, w in d))) <= 1e-5
+    assert [[c.text for c in o.outputs] for o in ahead] == [[c.text for c in o.outputs] for o in sync]
+    assert isinstance(__import__("json").loads(ahead[7].outputs[0].text)["a"], int)
+    assert all(c.text in ("yes", "no", "maybe") for c in ahead[8].outputs)
+    assert __import__("re").fullmatch(r"[0-9]{3}-[a-z]{2,5}", ahead[9].outputs[0].text)
+    assert counts["launched"] >= 20 and counts["run"] == 0, counts  # every step ran ahead
+    assert engines[True]._pipeline._in_flight is None
 
 
 def records(outputs) -> list:
@@ -186,11 +226,11 @@ def test_a_failing_launch_aborts_its_requests_and_the_engine_recovers(engines):
     runner, calls = llm.runner, {"n": 0}
     launch = runner.launch
 
-    def failing(batch, after):
+    def failing(batch, after, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost (simulated)")
-        return launch(batch, after)
+        return launch(batch, after, **kw)
 
     runner.launch = failing
     try:

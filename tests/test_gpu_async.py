@@ -60,3 +60,21 @@ def test_cuda_rollout_logprobs_ahead_equal_sync(default_model):
     assert got[True] == got[False]
     assert all(c[2] is not None for o in got[True][:6] for c in o) and got[True][6][0][2] is None
 
+
+
+def test_cuda_processed_steps_sampled_after_booking_equal_sync(default_model):
+    """Grammars, penalties, bans and min_tokens (with logprobs=0): the forward launched ahead, the step
+    sampled once the step before is booked; bit for bit the synchronous engine's tokens and records."""
+    from tidyrun import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, logprobs=0,
+                             structured_outputs=StructuredOutputsParams(json=schema)) for s in range(3)]
+    params += [SamplingParams(temperature=1.0, seed=7, max_tokens=30, repetition_penalty=1.2, logprobs=0),
+               SamplingParams(temperature=0, max_tokens=25, min_tokens=20, presence_penalty=0.4),
+               SamplingParams(temperature=1.0, seed=8, max_tokens=12, n=2,
+                              structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"])),
+               SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0.8, seed=2, max_tokens=9)]
+    got = outputs(default_model, params, batch_invariant=True)
+    assert got[True] == got[False]

@@ -231,7 +231,7 @@ class EngineConfig:
     tokenizer_revision: str | None = None
 
     def overlaps_steps(self, device: torch.device) -> bool:
-        """Whether plain steps are launched one ahead: ``async_scheduling``, or where it is None, on a CUDA
+        """Whether steps are launched one ahead (pipeline.py): ``async_scheduling``, or where it is None, on a CUDA
         device with one rank and no speculation (measured faster there: docs/BENCHMARKS.md)."""
         if self.async_scheduling is not None:
             return self.async_scheduling

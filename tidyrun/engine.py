@@ -553,7 +553,8 @@ class LLM:
         # The running sequences' next grammar masks, filled on the compiler's thread while this step's
         # outputs are collected and the next one is scheduled and launched (GrammarCompiler.fill_later
         # says why). Waiting ones are left out: a deep queue would refill their first masks every step.
-        grammars = [s.grammar for s in self.scheduler.running if s.grammar is not None]
+        # With a step in flight (async scheduling) the states still wait for its tokens: nothing to fill yet.
+        grammars = [s.grammar for s in self.scheduler.running if s.grammar is not None] if self._pipeline.idle else []
         if grammars:
             self._grammars.fill_ahead(grammars)
         self._collect_finished(finished)

@@ -174,6 +174,22 @@ def logprob_records(scores: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int
     Everything is computed on the scores' device and comes to the host in
     one copy, whatever the number of rows.
     """
+    return unpack_records(pack_records(scores, tokens, ks, shift).tolist(), ks)
+
+
+def unpack_records(packed: list[list[float]], ks: Sequence[int]) -> list[tuple[int, float, int, tuple[int, ...],
+                                                                              tuple[float, ...]]]:
+    """``pack_records``' rows, on the host, as ``logprob_records`` returns them."""
+    k = max(ks)
+    return [(int(row[0]), row[1], int(row[2]), tuple(int(t) for t in row[3:3 + n]), tuple(row[3 + k:3 + k + n]))
+            for row, n in zip(packed, ks)]
+
+
+def pack_records(scores: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int],
+                 shift: torch.Tensor | None = None) -> torch.Tensor:
+    """``logprob_records``' rows before they leave the device: float64 [rows, 3 + 2 * max(ks)], each row
+    (token, score, rank, top-k ids, top-k scores); with every k 0 the (token, logprob, rank) rows an async
+    step copies to the host with its tokens."""
     value = scores.gather(1, tokens[:, None])[:, 0]
     rank = (scores > value[:, None]).sum(-1)
     k = max(ks)
@@ -181,7 +197,5 @@ def logprob_records(scores: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int
     if shift is not None:
         value, top_values = value - shift, top_values - shift[:, None]
     # float64 holds every token id and rank exactly (< 2**53): one tensor, one copy to the host.
-    packed = torch.cat([tokens[:, None].double(), value[:, None].double(), rank[:, None].double() + 1,
-                        top_ids.double(), top_values.double()], dim=1).tolist()
-    return [(int(row[0]), row[1], int(row[2]), tuple(int(t) for t in row[3:3 + n]), tuple(row[3 + k:3 + k + n]))
-            for row, n in zip(packed, ks)]
+    return torch.cat([tokens[:, None].double(), value[:, None].double(), rank[:, None].double() + 1,
+                      top_ids.double(), top_values.double()], dim=1)

@@ -68,6 +68,14 @@ def launchable(seq: "Sequence", raw_logprobs: bool) -> bool:
     return not seq.needs_processing or (raw_logprobs and seq.one_pass)
 
 
+def deferrable(seq: "Sequence") -> bool:
+    """Whether a step's forward pass can be launched for this sequence before the step before it is booked,
+    its sampling following once it is (async scheduling, ``ModelRunner.launch(defer=True)``): what processing
+    needs from the host (grammar masks, penalties, bans, ``min_tokens``) is there by then. Not drafts (their
+    proposals need the tokens), prompt logprobs, or top-k logprobs (records wider than one token's)."""
+    return not seq.draft_tokens and seq.prompt_logprobs is None and seq.params.logprobs in (None, 0)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

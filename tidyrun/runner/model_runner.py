@@ -47,10 +47,10 @@ from ..model.sharding import TPShard
 from ..report import ShutdownReport
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
 from ..logits_process import process_logits, stop_token_bans
-from ..sampling import Sampler, logprob_records
+from ..sampling import Sampler, logprob_records, pack_records, unpack_records
 from ..scheduler import ScheduledBatch
 from ..sequence import (NO_TOP, PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob,
-                        launchable)
+                        deferrable, launchable)
 from ..spec_decode import accept_greedy, verify_drafts
 from ..structured import PendingMasks
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
@@ -81,14 +81,16 @@ class StepLogits(NamedTuple):
 
 class LaunchedStep(NamedTuple):
     """A step launched without waiting for it (async scheduling): row i of ``tokens`` (int64, on the
-    device) is the token of ``seqs[i]``, row i of ``records`` (float64 token, raw log-probability, rank;
+    device) is the token of ``seqs[i]``, row i of ``records`` (float64 token, log-probability, rank;
     None when no sequence asked for logprobs) its ``logprobs=0`` record; ``host`` is their copy on its way
-    to the host (None: none started)."""
+    to the host (None: none started). Launched with ``defer=True``, only its forward pass runs: ``logits``
+    holds the rows to sample and ``tokens`` is None until ``ModelRunner.sample_launched``."""
     batch: ScheduledBatch
     seqs: list[Sequence]
-    tokens: torch.Tensor
+    tokens: torch.Tensor | None
     records: torch.Tensor | None
     host: HostTokens | None
+    logits: StepLogits | None = None
 
 
 def _with_records(seqs: list[Sequence], records: list[list[float]]) -> list[SampledTokens]:
@@ -461,23 +463,30 @@ class ModelRunner:
                 masks.settle()  # a step that failed before using them still waits for the fill to end
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None) -> LaunchedStep:
+    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None, defer: bool = False) -> LaunchedStep:
         """Run one step without waiting for its tokens (async scheduling): the host books the step before
         while this one runs. ``after``: the step launched before, whose tokens this one's pending inputs
-        are. Only steps of ``launchable`` sequences, whose tokens need nothing but the logits: no logits
-        processing, grammar, drafts, prompt logprobs or min_tokens ban; ``logprobs=0`` records only when
-        the whole step is one-pass (the RL rollout's case: the records come from the pass that picks the
-        tokens, as in ``execute``)."""
+        are. Sampled here: steps of ``launchable`` sequences, whose tokens need nothing but the logits (no
+        logits processing, grammar, drafts, prompt logprobs or min_tokens ban; ``logprobs=0`` records only
+        when the whole step is one-pass: the RL rollout's case, the records from the pass that picks the
+        tokens, as in ``execute``). ``defer``: steps of ``deferrable`` sequences (grammars, penalties,
+        bans): only the forward pass is launched; ``sample_launched`` samples once ``after`` is booked."""
         self.check_awake()
         host, seqs, prompt_rows = host_batch(batch, self.block_size)
-        raw = self.config.logprobs_mode == "raw_logprobs"
-        if prompt_rows or not all(launchable(s, raw) for s in batch.seqs):
-            raise ValueError("launch() takes launchable steps only; execute() runs the others")
-        one_pass = self._one_pass_logprobs(seqs)
-        if one_pass is None and any(s.needs_processing for s in seqs):
-            raise ValueError("launch() takes logprobs only from a step whose sequences are all one-pass")
+        if defer:
+            if prompt_rows or not all(deferrable(s) for s in batch.seqs):
+                raise ValueError("launch(defer=True) takes deferrable steps only; execute() runs the others")
+        else:
+            raw = self.config.logprobs_mode == "raw_logprobs"
+            if prompt_rows or not all(launchable(s, raw) for s in batch.seqs):
+                raise ValueError("launch() takes launchable steps only; execute() runs the others")
+            one_pass = self._one_pass_logprobs(seqs)
+            if one_pass is None and any(s.needs_processing for s in seqs):
+                raise ValueError("launch() takes logprobs only from a step whose sequences are all one-pass")
         graph = self._graph_key(batch) if self.graphs is not None else None
         step = self.forward_logits(host, graph, pending=None if after is None else after.tokens)
+        if defer:
+            return LaunchedStep(batch, seqs, None, None, None, step)
         records = None
         if step is None:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -487,6 +496,41 @@ class ModelRunner:
             tokens = self._plain_tokens(step.logits, step.greedy, seqs)
         host_copy = None if self.inputs is None else self.inputs.send_tokens(tokens, records)
         return LaunchedStep(batch, seqs, tokens, records, host_copy)
+
+    @torch.inference_mode()
+    def sample_launched(self, step: LaunchedStep) -> LaunchedStep:
+        """Sample a step launched with ``defer=True``, once the step before it is booked (the grammars have
+        its tokens, the penalties count them), as ``execute`` samples: the masks filled on the grammar
+        compiler's thread, processing, the sampler; then the tokens (and ``logprobs=0`` records: every row
+        gets one when some sequence asked) start for the host. A sequence that finished in the step before
+        gets a row of zeros, which booking drops."""
+        if step.tokens is not None:
+            return step
+        seqs = step.seqs
+        if step.logits is None:
+            tokens, records = torch.empty(0, dtype=torch.int64, device=self.device), None
+        else:
+            live = [i for i, s in enumerate(seqs) if not s.is_finished]
+            rows = [seqs[i] for i in live]
+            grammars = [s.grammar for s in rows if s.grammar is not None]
+            masks = grammars[0].compiler.fill_later(grammars) if grammars else None
+            try:
+                logits = step.logits.logits
+                every = len(live) == len(seqs)
+                sub = (logits if every else logits[torch.tensor(live, device=logits.device)]).float()
+                lp = list(range(len(rows))) if any(s.params.logprobs is not None for s in rows) else []
+                tokens, records = self._draw_rows(sub, rows, masks, lp, [0] * len(lp))
+            finally:
+                if masks is not None:
+                    masks.settle()
+            if not every:
+                index = torch.tensor(live, device=tokens.device)
+                tokens = torch.zeros(len(seqs), dtype=tokens.dtype, device=tokens.device).index_copy_(0, index, tokens)
+                if records is not None:
+                    records = torch.zeros(len(seqs), 3, dtype=records.dtype,
+                                          device=records.device).index_copy_(0, index, records)
+        host_copy = None if self.inputs is None else self.inputs.send_tokens(tokens, records)
+        return LaunchedStep(step.batch, seqs, tokens, records, host_copy)
 
     def collect(self, step: LaunchedStep) -> StepOutput:
         """The tokens (and records) of a launched step, once their copy to the host is done (not the steps
@@ -608,8 +652,19 @@ class ModelRunner:
         """One token per row of ``logits`` (float32, one row per sequence, modified in place) and, for the
         sequences that asked, its logprob record in this engine's ``logprobs_mode``. ``masks``: see
         ``process_logits``."""
-        mode = self.config.logprobs_mode
         lp = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
+        ks = [seqs[j].params.logprobs for j in lp]
+        tokens, packed = self._draw_rows(logits, seqs, masks, lp, ks)
+        if packed is None:
+            return [(t, None) for t in tokens.tolist()]
+        by_row = dict(zip(lp, unpack_records(packed.tolist(), ks)))
+        return [(t, by_row.get(j)) for j, t in enumerate(tokens.tolist())]
+
+    def _draw_rows(self, logits: torch.Tensor, seqs: list[Sequence], masks: PendingMasks | None, lp: list[int],
+                   ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_sample_rows`` on the device: the tokens (int64) and, for rows ``lp``, their records packed
+        (``pack_records``, top-k ``ks``; None without rows), in this engine's ``logprobs_mode``."""
+        mode = self.config.logprobs_mode
         every = len(lp) == len(seqs)
         index = None if every else torch.tensor(lp, device=logits.device)
         raw = None
@@ -622,15 +677,12 @@ class ModelRunner:
         process_logits(logits, seqs, self.eos_token_ids, masks)
         tokens = self.sampler(logits, params, generators, race)
         if not lp:
-            return [(t, None) for t in tokens.tolist()]
+            return tokens, None
         if raw is not None:
             scores, lse = raw, (raw.logsumexp(-1) if mode == "raw_logprobs" else None)
         else:
             scores, lse = self._processed_scores(logits, [seqs[j] for j in lp], lp, mode), None
-        records = logprob_records(scores, tokens if every else tokens[index],
-                                  [seqs[j].params.logprobs for j in lp], lse)
-        by_row = dict(zip(lp, records))
-        return [(t, by_row.get(j)) for j, t in enumerate(tokens.tolist())]
+        return tokens, pack_records(scores, tokens if every else tokens[index], ks, lse)
 
     def _processed_scores(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
                           mode: str) -> torch.Tensor:
