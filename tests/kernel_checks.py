@@ -301,13 +301,14 @@ def check_race(device, dtype, shapes=((1, 10000), (5, 4097), (3, 700)), block=51
             assert tokens[2].item() >= vocab // 2, "a masked token was drawn"
         again, none = race_sample(x, noise, scale, False, block=block)
         assert none is None and torch.equal(again, tokens), "race without logprobs"
-        # A greedy row's record is the argmax pass's, bit for bit: which of the two a step takes depends on
-        # its other rows (all greedy or not), and a row's logprob must not.
+        # Greedy rows: the argmax pass's token and rank, its logprob within 1e-4 (not bit for bit on the GPU:
+        # the runner takes a greedy row's logprob from the argmax pass whatever else its step holds).
         greedy = torch.tensor([[1.0, 0.0]] * rows, device=device)
         _, raced = race_sample(x, noise, greedy, True, block=block)
         at, logprob = argmax_logprob_rows(x, block=block)
-        assert torch.equal(raced[:, 0], at.double()), f"greedy race tokens {rows}x{vocab}"
-        assert torch.equal(raced[:, 1], logprob.double()), f"greedy race logprobs {rows}x{vocab} != argmax pass"
+        assert torch.equal(raced[:, 0], at.double()) and (raced[:, 2] == 1).all(), f"greedy race {rows}x{vocab}"
+        whole = [r for r in range(rows) if r != 2]  # the argmax pass is for unmasked logits (no -inf slices)
+        assert (raced[whole, 1] - logprob[whole].double()).abs().max().item() <= 1e-4, f"greedy race logprobs {rows}x{vocab}"
 
 
 # (tokens, hidden, expert intermediate, experts, top-k, skew): skew > 0 draws routing from a few favourite

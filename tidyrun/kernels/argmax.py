@@ -20,8 +20,7 @@ def _argmax_slices_kernel(x_ptr, val_ptr, idx_ptr, sum_ptr, V, stride_x, SLICES,
     best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * SLICES + part, best)
     tl.store(idx_ptr + row * SLICES + part, part * BLOCK + at)
-    total = tl.sum(tl.exp(x - best), axis=0)
-    tl.store(sum_ptr + row * SLICES + part, tl.where(best == -float("inf"), 0.0, total))
+    tl.store(sum_ptr + row * SLICES + part, tl.sum(tl.exp(x - best), axis=0))
 
 
 @triton.jit
@@ -33,10 +32,8 @@ def _argmax_final_kernel(val_ptr, idx_ptr, sum_ptr, out_ptr, lp_ptr, SLICES, BLO
     sums = tl.load(sum_ptr + row * SLICES + parts, mask=parts < SLICES, other=0.0)
     best, at = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(out_ptr + row, tl.sum(tl.where(parts == at, idx, 0), axis=0).to(tl.int64))
-    # log-probability of the argmax: max - logsumexp, the slices' sums rescaled to the row's max. The race's
-    # final kernel (kernels/race.py) sums the same terms in the same layout (BLOCK, 8 warps): a greedy row's
-    # logprob is the same bits from either pass.
-    total = tl.sum(tl.where(vals > -float("inf"), sums * tl.exp(vals - best), 0.0), axis=0)
+    # log-probability of the argmax: max - logsumexp, the slices' sums rescaled to the row's max
+    total = tl.sum(tl.where(parts < SLICES, sums * tl.exp(vals - best), 0.0), axis=0)
     tl.store(lp_ptr + row, -tl.log(total))
 
 
@@ -57,8 +54,7 @@ def argmax_logprob_rows(x: torch.Tensor, block: int = 4096) -> tuple[torch.Tenso
     idx = torch.empty(rows, slices, dtype=torch.int32, device=x.device)
     sums = torch.empty(rows, slices, dtype=torch.float32, device=x.device)
     _argmax_slices_kernel[(rows, slices)](x, vals, idx, sums, vocab, x.stride(0), slices, BLOCK=block, num_warps=8)
-    _argmax_final_kernel[(rows,)](vals, idx, sums, out, logprob, slices, BLOCK=max(16, triton.next_power_of_2(slices)),
-                                  num_warps=8)
+    _argmax_final_kernel[(rows,)](vals, idx, sums, out, logprob, slices, BLOCK=max(16, triton.next_power_of_2(slices)))
     return out, logprob
 
 

@@ -57,7 +57,7 @@ def _race_final_kernel(x_ptr, max_ptr, sum_ptr, rval_ptr, ridx_ptr, tok_ptr, out
         tops = tl.load(max_ptr + row * SLICES + parts, mask=valid, other=-float("inf"))
         sums = tl.load(sum_ptr + row * SLICES + parts, mask=valid, other=0.0)
         top = tl.max(tops, axis=0)
-        total = tl.sum(tl.where(tops > -float("inf"), sums * tl.exp(tops - top), 0.0), axis=0)
+        lse = top + tl.log(tl.sum(tl.where(tops > -float("inf"), sums * tl.exp(tops - top), 0.0), axis=0))
         value = tl.load(x_ptr + row * stride_x + tok).to(tl.float32)
         above = tl.full((), 0, tl.int32)
         for start in range(0, V, BLOCK):  # the rank: the row comes back from L2, not HBM
@@ -65,10 +65,7 @@ def _race_final_kernel(x_ptr, max_ptr, sum_ptr, rval_ptr, ridx_ptr, tok_ptr, out
             xs = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
             above += tl.sum((xs > value).to(tl.int32), axis=0)
         tl.store(out_ptr + row * 3, tok.to(tl.float64))
-        # (value - top) - log(total), not value - (top + log(total)): a greedy row's value is the top, so its
-        # logprob is -log(total) exactly as the argmax pass computes it (same slices, sums and order), and a
-        # row's record does not depend on whether its step's other rows sample (a race) or not (the argmax).
-        tl.store(out_ptr + row * 3 + 1, ((value - top) - tl.log(total)).to(tl.float64))
+        tl.store(out_ptr + row * 3 + 1, (value - lse).to(tl.float64))
         tl.store(out_ptr + row * 3 + 2, (above + 1).to(tl.float64))
 
 

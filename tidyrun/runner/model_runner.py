@@ -591,7 +591,17 @@ class ModelRunner:
         the CUDA graph when one ran; the argmax's rank is 1 by definition, so nothing else needs the
         vocabulary); "race", one race over the batch, the tokens the sampler draws from the same generators."""
         if mode == "race":
-            return self.sampler.race_packed(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            tokens, records = self.sampler.race_packed(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            rows = [i for i, s in enumerate(seqs) if s.greedy]
+            if rows:  # a greedy row's record is the argmax pass's whatever else shares its step (see below)
+                if greedy_logprob is None:
+                    greedy_logprob = self.ops.argmax_logprob(logits)[1]
+                index = torch.tensor(rows, device=records.device)
+                records[index, 1] = greedy_logprob[index].double()
+            return tokens, records
+        # The race's token for a greedy row is the argmax (first on ties, as here), but on the GPU its logsumexp
+        # rounds otherwise than the argmax kernel's (H100: 64x49152 rows differed), and async scheduling keeps a
+        # finished sampled row one step longer: the same greedy row would get "race" then and "greedy" here.
         if greedy is None or greedy_logprob is None:
             greedy, greedy_logprob = self.ops.argmax_logprob(logits)
         ranks = torch.ones_like(greedy_logprob, dtype=torch.float64)
