@@ -507,10 +507,10 @@ class ModelRunner:
         if step.tokens is not None:
             return step
         seqs = step.seqs
-        if step.logits is None:
-            tokens, records = torch.empty(0, dtype=torch.int64, device=self.device), None
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        if step.logits is None or not live:  # nothing samples, or every sequence finished in the step before
+            tokens, records = torch.zeros(len(seqs), dtype=torch.int64, device=self.device), None
         else:
-            live = [i for i, s in enumerate(seqs) if not s.is_finished]
             rows = [seqs[i] for i in live]
             grammars = [s.grammar for s in rows if s.grammar is not None]
             masks = grammars[0].compiler.fill_later(grammars) if grammars else None
