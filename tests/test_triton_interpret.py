@@ -127,11 +127,14 @@ prompts = ["the quick brown fox jumps over the lazy dog " * 3 + "and runs", "a",
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 4, 7)]
 sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=9, ignore_eos=True)
 rollout = [SamplingParams(temperature=t, seed=5, max_tokens=6, ignore_eos=True, logprobs=0) for t in (0, 1.0)]
+# Penalties: the forward launched ahead, the step sampled after the step before is booked (launch(defer=True)).
+penalised = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, repetition_penalty=1.5) for n in (7, 5)]
 
 def run(**kw):
     with LLM(ckpt, device="cpu", dtype="float32", max_num_batched_tokens=24, **kw) as llm:
         out = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:2], sampled, use_tqdm=False)
         out += llm.generate(prompts[:2], rollout, use_tqdm=False)  # RL records, launched ahead too
+        out += llm.generate(prompts[:2], penalised, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in out]
         return tokens, [v.logprob for o in out if o.outputs[0].logprobs for d in o.outputs[0].logprobs for v in d.values()]
 
@@ -142,12 +145,16 @@ ModelRunner._choose_ops = lambda self, config: TritonOps(num_sms=4, ctx=self.ctx
 """ + GRAPH_EMULATION + """ModelRunner._graph_sizes = lambda self, config: {1: (1, 2, 4)}
 launched = []
 real_launch = ModelRunner.launch
-ModelRunner.launch = lambda self, batch, after: launched.append(after is not None) or real_launch(self, batch, after)
+ModelRunner.launch = lambda self, batch, after, **kw: launched.append(after is not None) or real_launch(self, batch, after, **kw)
+deferred = []
+real_sample = ModelRunner.sample_launched
+ModelRunner.sample_launched = lambda self, step: deferred.append(step.tokens is None) or real_sample(self, step)
 tokens, logprobs = run(async_scheduling=True)
 assert tokens == reference, "async scheduling on the Triton path differs"
 assert len(logprobs) == len(reference_logprobs) == 12, logprobs
 assert max(abs(a - b) for a, b in zip(logprobs, reference_logprobs)) <= 1e-4, (logprobs, reference_logprobs)
 assert sum(launched) > 10, launched  # steps ran ahead, feeding each other on the device
+assert sum(deferred) >= 5, deferred  # the penalised steps were sampled after booking
 print("async ok")
 """
 
