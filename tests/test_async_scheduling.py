@@ -104,6 +104,7 @@ def test_processed_steps_launch_ahead_and_sample_after_booking(engines):
                        structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])),
         SamplingParams(temperature=1.0, seed=5, max_tokens=20, logprobs=0,
                        structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,5}")),
+        SamplingParams(temperature=0, max_tokens=60, logprobs=0),  # outlives the processed rows
     ]
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(len(params))]
     counts = count_launches(engines[True])

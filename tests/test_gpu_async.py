@@ -75,6 +75,8 @@ def test_cuda_processed_steps_sampled_after_booking_equal_sync(default_model):
                SamplingParams(temperature=0, max_tokens=25, min_tokens=20, presence_penalty=0.4),
                SamplingParams(temperature=1.0, seed=8, max_tokens=12, n=2,
                               structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"])),
-               SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0.8, seed=2, max_tokens=9)]
+               # plain rollout rows that outlive the processed ones: their steps' records as execute takes them
+               SamplingParams(temperature=0, max_tokens=90, logprobs=0),
+               SamplingParams(temperature=0.8, seed=2, max_tokens=80, logprobs=0)]
     got = outputs(default_model, params, batch_invariant=True)
     assert got[True] == got[False]

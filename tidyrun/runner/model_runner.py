@@ -515,11 +515,15 @@ class ModelRunner:
             grammars = [s.grammar for s in rows if s.grammar is not None]
             masks = grammars[0].compiler.fill_later(grammars) if grammars else None
             try:
-                logits = step.logits.logits
                 every = len(live) == len(seqs)
-                sub = (logits if every else logits[torch.tensor(live, device=logits.device)]).float()
-                lp = list(range(len(rows))) if any(s.params.logprobs is not None for s in rows) else []
-                tokens, records = self._draw_rows(sub, rows, masks, lp, [0] * len(lp))
+                index = None if every else torch.tensor(live, device=step.logits.logits.device)
+                logits, greedy, greedy_logprob = (t if t is None or every else t[index] for t in step.logits)
+                one_pass = self._one_pass_logprobs(rows)
+                if one_pass is not None:  # its processed sequences have finished: the records execute takes
+                    tokens, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, rows)
+                else:
+                    lp = list(range(len(rows))) if any(s.params.logprobs is not None for s in rows) else []
+                    tokens, records = self._draw_rows(logits.float(), rows, masks, lp, [0] * len(lp))
             finally:
                 if masks is not None:
                     masks.settle()
