@@ -501,9 +501,9 @@ class ModelRunner:
     def sample_launched(self, step: LaunchedStep) -> LaunchedStep:
         """Sample a step launched with ``defer=True``, once the step before it is booked (the grammars have
         its tokens, the penalties count them), as ``execute`` samples: the masks filled on the grammar
-        compiler's thread, processing, the sampler; then the tokens (and ``logprobs=0`` records: every row
-        gets one when some sequence asked) start for the host. A sequence that finished in the step before
-        gets a row of zeros, which booking drops."""
+        compiler's thread, processing, the sampler; then the tokens (and ``logprobs=0`` records, a row per
+        sequence, only its token for one that did not ask) start for the host. A sequence that finished in the step
+        before gets a row of zeros, which booking drops."""
         if step.tokens is not None:
             return step
         seqs = step.seqs
@@ -521,9 +521,13 @@ class ModelRunner:
                 one_pass = self._one_pass_logprobs(rows)
                 if one_pass is not None:  # its processed sequences have finished: the records execute takes
                     tokens, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, rows)
-                else:
-                    lp = list(range(len(rows))) if any(s.params.logprobs is not None for s in rows) else []
+                else:  # the rows that asked, as execute has them (a logsumexp over other rows may round otherwise)
+                    lp = [j for j, s in enumerate(rows) if s.params.logprobs is not None]
                     tokens, records = self._draw_rows(logits.float(), rows, masks, lp, [0] * len(lp))
+                    if records is not None and len(lp) < len(rows):  # the others' rows: just their tokens
+                        full = torch.zeros(len(rows), 3, dtype=records.dtype, device=records.device)
+                        full[:, 0] = tokens
+                        records = full.index_copy_(0, torch.tensor(lp, device=records.device), records)
             finally:
                 if masks is not None:
                     masks.settle()
