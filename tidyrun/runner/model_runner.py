@@ -500,17 +500,17 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_launched(self, step: LaunchedStep) -> LaunchedStep:
         """Sample a step launched with ``defer=True``, once the step before it is booked (the grammars have
-        its tokens, the penalties count them), as ``execute`` samples: the masks filled on the grammar
-        compiler's thread, processing, the sampler; then the tokens (and ``logprobs=0`` records, a row per
-        sequence, only its token for one that did not ask) start for the host. A sequence that finished in the step
-        before gets a row of zeros, which booking drops."""
+        its tokens, the penalties count them), as ``execute`` samples the same live rows: the masks filled on
+        the grammar compiler's thread, processing, the sampler; then the tokens (and ``logprobs=0`` records, a
+        row per sequence, only its token for one that did not ask) start for the host. A sequence that
+        finished in the step before gets token 0, which booking drops."""
         if step.tokens is not None:
             return step
         seqs = step.seqs
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
-        if step.logits is None or not live:  # nothing samples, or every sequence finished in the step before
-            tokens, records = torch.zeros(len(seqs), dtype=torch.int64, device=self.device), None
-        else:
+        tokens = torch.zeros(len(seqs), dtype=torch.int64, device=self.device)
+        records = None
+        if step.logits is not None and live:  # else nothing samples, or every sequence finished before
             rows = [seqs[i] for i in live]
             grammars = [s.grammar for s in rows if s.grammar is not None]
             masks = grammars[0].compiler.fill_later(grammars) if grammars else None
@@ -520,23 +520,20 @@ class ModelRunner:
                 logits, greedy, greedy_logprob = (t if t is None or every else t[index] for t in step.logits)
                 one_pass = self._one_pass_logprobs(rows)
                 if one_pass is not None:  # its processed sequences have finished: the records execute takes
-                    tokens, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, rows)
+                    picked, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, rows)
+                    at = live
                 else:  # the rows that asked, as execute has them (a logsumexp over other rows may round otherwise)
                     lp = [j for j, s in enumerate(rows) if s.params.logprobs is not None]
-                    tokens, records = self._draw_rows(logits.float(), rows, masks, lp, [0] * len(lp))
-                    if records is not None and len(lp) < len(rows):  # the others' rows: just their tokens
-                        full = torch.zeros(len(rows), 3, dtype=records.dtype, device=records.device)
-                        full[:, 0] = tokens
-                        records = full.index_copy_(0, torch.tensor(lp, device=records.device), records)
+                    picked, records = self._draw_rows(logits.float(), rows, masks, lp, [0] * len(lp))
+                    at = [live[j] for j in lp]
             finally:
                 if masks is not None:
                     masks.settle()
-            if not every:
-                index = torch.tensor(live, device=tokens.device)
-                tokens = torch.zeros(len(seqs), dtype=tokens.dtype, device=tokens.device).index_copy_(0, index, tokens)
-                if records is not None:
-                    records = torch.zeros(len(seqs), 3, dtype=records.dtype,
-                                          device=records.device).index_copy_(0, index, records)
+            tokens = picked if every else tokens.index_copy_(0, torch.tensor(live, device=tokens.device), picked)
+            if records is not None and len(at) < len(seqs):  # the other rows' records: just their tokens
+                full = torch.zeros(len(seqs), 3, dtype=records.dtype, device=records.device)
+                full[:, 0] = tokens
+                records = full.index_copy_(0, torch.tensor(at, device=records.device), records)
         host_copy = None if self.inputs is None else self.inputs.send_tokens(tokens, records)
         return LaunchedStep(step.batch, seqs, tokens, records, host_copy)
 
@@ -600,16 +597,17 @@ class ModelRunner:
         vocabulary); "race", one race over the batch, the tokens the sampler draws from the same generators."""
         if mode == "race":
             tokens, records = self.sampler.race_packed(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            # A greedy row's token from the race is the argmax (first on ties), but on the GPU the race's
+            # logsumexp rounds otherwise than the argmax kernel's (H100: 64x49152 rows differed), and async
+            # scheduling keeps a finished sampled row one step longer: the same greedy row would take "race"
+            # there and "greedy" in the synchronous step. Its record is the argmax pass's whatever shares its step.
             rows = [i for i, s in enumerate(seqs) if s.greedy]
-            if rows:  # a greedy row's record is the argmax pass's whatever else shares its step (see below)
+            if rows:
                 if greedy_logprob is None:
                     greedy_logprob = self.ops.argmax_logprob(logits)[1]
                 index = torch.tensor(rows, device=records.device)
                 records[index, 1] = greedy_logprob[index].double()
             return tokens, records
-        # The race's token for a greedy row is the argmax (first on ties, as here), but on the GPU its logsumexp
-        # rounds otherwise than the argmax kernel's (H100: 64x49152 rows differed), and async scheduling keeps a
-        # finished sampled row one step longer: the same greedy row would get "race" then and "greedy" here.
         if greedy is None or greedy_logprob is None:
             greedy, greedy_logprob = self.ops.argmax_logprob(logits)
         ranks = torch.ones_like(greedy_logprob, dtype=torch.float64)
