@@ -311,6 +311,49 @@ def check_race(device, dtype, shapes=((1, 10000), (5, 4097), (3, 700)), block=51
         assert (raced[whole, 1] - logprob[whole].double()).abs().max().item() <= 1e-4, f"greedy race logprobs {rows}x{vocab}"
 
 
+def check_masked_race(device, dtype, shapes=((1, 10000), (6, 4097), (4, 700)), block=512, seed=0):
+    """race_sample with a grammar's bitmask (Triton) against the torch reference and against the race over the
+    logits masked to -inf: the same tokens, always allowed ones (a row allowing one token takes it; a greedy
+    row the masked argmax); logprob and rank those of the raw logits (the reference's within 1e-4)."""
+    from tidyrun.kernels.race import race_sample
+    from tidyrun.sampling import allowed_tokens
+    from tidyrun.sampling import race_sample as reference
+
+    g = torch.Generator().manual_seed(seed)
+    for rows, vocab in shapes:
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=g, dtype=torch.int64).to(torch.int32)
+        bitmask[0] = -1  # everything allowed, bits past the vocabulary too
+        if rows > 1:
+            bitmask[1] = 0
+            bitmask[1, (vocab - 1) // 32] = 1 << ((vocab - 1) % 32)  # only the last token
+        if rows > 3:
+            bitmask[3] &= 0x0F0F0F0F  # sparser
+        x = (torch.randn(rows, vocab + 5, generator=g) * 3).to(device=device, dtype=dtype)[:, :vocab]
+        noise = torch.empty(rows, vocab).exponential_(generator=g).to(device)
+        scale = torch.tensor([[1.0, 0.0] if r % 3 == 2 else [1.0 / (0.5 + r), 1.0] for r in range(rows)]).to(device)
+        mask = bitmask.to(device)
+        tokens, packed = race_sample(x, noise, scale, True, mask, block=block)
+        ref_tokens, ref_packed = reference(x, noise, scale, True, mask)
+        allowed = allowed_tokens(mask, vocab)
+        masked_x = x.float().masked_fill(~allowed, float("-inf"))
+        plain_tokens, _ = race_sample(masked_x, noise, scale, False, block=block)
+        assert tokens.tolist() == ref_tokens.tolist() == plain_tokens.tolist(), f"masked race tokens {rows}x{vocab}"
+        assert allowed[torch.arange(rows, device=tokens.device), tokens].all(), "a refused token was drawn"
+        if rows > 1:
+            assert tokens[1].item() == vocab - 1, "the only allowed token"
+        for r in range(rows):
+            if scale[r, 1].item() == 0:
+                assert tokens[r].item() == masked_x[r].argmax().item(), "greedy row: the masked argmax"
+        assert torch.equal(packed[:, 0], tokens.double()) and torch.equal(packed[:, 2].cpu(), ref_packed[:, 2].cpu())
+        assert (packed[:, 1] - ref_packed[:, 1]).abs().max().item() <= 1e-4, f"masked race logprob {rows}x{vocab}"
+        raw = x.float()
+        value = raw.gather(1, tokens[:, None])[:, 0]
+        assert (packed[:, 1].float() - (value - raw.logsumexp(-1))).abs().max().item() <= 1e-4, "raw logprob"
+        again, none = race_sample(x, noise, scale, False, mask, block=block)
+        assert none is None and torch.equal(again, tokens), "masked race without logprobs"
+
+
 # (tokens, hidden, expert intermediate, experts, top-k, skew): skew > 0 draws routing from a few favourite
 # experts, so most experts get no token and a few get many.
 MOE_CASES = ((1, 32, 16, 8, 2, 0.0), (5, 48, 40, 8, 8, 0.0), (9, 64, 24, 16, 3, 4.0), (33, 32, 16, 12, 1, 8.0))

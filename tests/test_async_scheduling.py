@@ -291,3 +291,61 @@ def test_default_overlaps_steps_only_where_it_applies(default_model):
         assert not llm._pipeline.ahead
     finally:
         llm.shutdown()
+
+
+MASKED = [  # grammar rows whose mask is their only processing, beside plain rows
+    dict(temperature=1.0, seed=3, max_tokens=40, logprobs=0, json={"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}}, "required": ["a", "b"],
+        "additionalProperties": False}),
+    dict(temperature=0, max_tokens=40, logprobs=0, json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                         "required": ["a"], "additionalProperties": False}),
+    dict(temperature=1.0, seed=4, max_tokens=20, n=2, choice=["yes", "no", "maybe"]),
+    dict(temperature=0.7, seed=5, max_tokens=20, regex=r"[0-9]{3}-[a-z]{2,5}"),
+    dict(temperature=0, max_tokens=30, logprobs=0),
+    dict(temperature=1.0, seed=6, max_tokens=25, logprobs=0),
+    dict(temperature=0.9, seed=7, max_tokens=12),
+]
+
+
+def masked_params(cases) -> list[SamplingParams]:
+    from tidyrun import StructuredOutputsParams
+
+    out = []
+    for case in cases:
+        case = dict(case)
+        spec = {k: case.pop(k) for k in ("json", "choice", "regex") if k in case}
+        if "json" in spec:
+            spec["disable_any_whitespace"] = True
+        out.append(SamplingParams(**case, structured_outputs=StructuredOutputsParams(**spec) if spec else None))
+    return out
+
+
+@pytest.mark.parametrize("extra", [None, dict(temperature=1.0, seed=8, max_tokens=10, repetition_penalty=1.2)],
+                         ids=["masked", "with-a-penalty-row"])
+def test_masked_race_gives_the_processed_paths_tokens_and_records(engines, monkeypatch, extra):
+    """Grammar rows with nothing else to process take their tokens from one race that reads the mask
+    (``ModelRunner._masked_race``): the same tokens, ranks and raw log-probabilities as the processed path
+    (float copy, ``apply_bitmask``, the sampler), synchronous and ahead; a penalty row in the step sends
+    the step (until that row finishes) down the processed path."""
+    from tidyrun.runner.model_runner import ModelRunner
+
+    params = masked_params(MASKED + ([extra] if extra else []))
+    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(len(params))]
+    races = {"n": 0}
+    real = ModelRunner._masked_race
+
+    def counted(self, *args):
+        races["n"] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_masked_race", counted)
+    got = {a: engines[a].generate(prompts, params, use_tqdm=False) for a in (False, True)}
+    assert races["n"] >= (30 if extra is None else 4), races  # (the steps after the penalty row's last)
+    monkeypatch.setattr(ModelRunner, "_masked_one_pass", lambda self, seqs: False)
+    processed = engines[False].generate(prompts, params, use_tqdm=False)
+    for a in (False, True):
+        assert_same_records(got[a], processed)
+        assert [[c.text for c in o.outputs] for o in got[a]] == [[c.text for c in o.outputs] for o in processed]
+    assert isinstance(__import__("json").loads(got[True][0].outputs[0].text)["a"], int)
+    assert all(c.text in ("yes", "no", "maybe") for c in got[True][2].outputs)
+    assert __import__("re").fullmatch(r"[0-9]{3}-[a-z]{2,5}", got[True][3].outputs[0].text)

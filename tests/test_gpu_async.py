@@ -80,3 +80,25 @@ def test_cuda_processed_steps_sampled_after_booking_equal_sync(default_model):
                SamplingParams(temperature=0.8, seed=2, max_tokens=80, logprobs=0)]
     got = outputs(default_model, params, batch_invariant=True)
     assert got[True] == got[False]
+
+
+def test_cuda_masked_race_gives_the_processed_paths_tokens(default_model, monkeypatch):
+    """Grammar rows whose mask is their only processing: the masked race (Triton, bf16 logits read as they
+    are) gives the processed path's tokens and ranks, raw log-probabilities within 1e-4 (two kernels'
+    logsumexps), synchronous and ahead (the CPU test checks the outputs' validity)."""
+    from test_async_scheduling import MASKED, masked_params
+    from tidyrun.runner.model_runner import ModelRunner
+
+    params = masked_params(MASKED)
+    got = outputs(default_model, params, batch_invariant=True)
+    monkeypatch.setattr(ModelRunner, "_masked_one_pass", lambda self, seqs: False)
+    processed = outputs(default_model, params, batch_invariant=True)
+    for a in (False, True):
+        for mine, theirs in zip(got[a], processed[False]):
+            for (tokens, reason, recs), (want_tokens, want_reason, want_recs) in zip(mine, theirs):
+                assert tokens == want_tokens and reason == want_reason
+                assert (recs is None) == (want_recs is None)
+                if recs is not None:
+                    assert [[(t, r) for t, r, _ in d] for d in recs] == [[(t, r) for t, r, _ in d] for d in want_recs]
+                    assert max(abs(v - w) for d, e in zip(recs, want_recs) for (_, _, v), (_, _, w) in zip(d, e)) <= 1e-4
+    assert got[True] == got[False]

@@ -65,6 +65,8 @@ def test_race_sampling_kernel_matches_torch(dtype):
     vocabulary widths of Llama 3 (128256) and SmolLM2 (49152), with the runner's slice width."""
     kc.check_race("cuda", dtype, shapes=((1, 128256), (64, 49152), (3, 700)), block=4096)
     kc.check_race("cuda", dtype, block=512)
+    kc.check_masked_race("cuda", dtype, shapes=((64, 49152), (3, 128256)), block=4096)
+    kc.check_masked_race("cuda", dtype, block=512)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -142,20 +142,34 @@ def race_inputs(shape: tuple[int, int], dev: torch.device, params: Sequence[Samp
 
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
-                want_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                want_logprob: bool, bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Tokens by the exponential race: argmax(logits * scale[:, 0] - log(noise)) per row, the noise only
-    where scale[:, 1] is set (else the plain argmax), which samples softmax(logits / T) exactly. With
-    ``want_logprob`` also float64 [B, 3] rows of (token, log-probability under softmax(logits), 1-based
-    rank): the raw log-probability, before temperature, as vLLM's "raw_logprobs". The reference of the
-    Triton kernels in ``tidyrun.kernels.race``."""
+    where scale[:, 1] is set (else the plain argmax), which samples softmax(logits / T) exactly; with a
+    ``bitmask`` (a grammar's int32 words on the logits' device, ``allowed_tokens``) among its allowed tokens
+    only, which samples the masked distribution. With ``want_logprob`` also float64 [B, 3] rows of (token,
+    log-probability under softmax(logits), 1-based rank): the raw log-probability, before temperature and
+    mask, as vLLM's "raw_logprobs". The reference of the Triton kernels in ``tidyrun.kernels.race``."""
     x = logits.float()
     gumbel = torch.where(scale[:, 1:] != 0, noise.clamp_min(1e-30).log(), 0.0)
-    tokens = (x * scale[:, :1] - gumbel).argmax(dim=-1)
+    race = x * scale[:, :1] - gumbel
+    if bitmask is not None:
+        race = race.masked_fill(~allowed_tokens(bitmask, x.shape[1]), float("-inf"))
+    tokens = race.argmax(dim=-1)
     if not want_logprob:
         return tokens, None
     value = x.gather(1, tokens[:, None])[:, 0]
     rank = (x > value[:, None]).sum(-1) + 1
     return tokens, torch.stack([tokens.double(), (value - x.logsumexp(-1)).double(), rank.double()], dim=1)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A bool [rows, vocab] from int32 words [rows, ceil(vocab / 32)] (bit ``t % 32`` of word ``t // 32`` set:
+    token t allowed, llguidance's layout), on the words' device, without a loop over tokens: the words are
+    read as little-endian bytes (as on every platform torch and llguidance run on)."""
+    rows, dev = bitmask.shape[0], bitmask.device
+    packed = bitmask.contiguous().view(torch.uint8)  # [rows, words * 4]: byte k holds tokens 8k..8k+7
+    bits = torch.ones(8, dtype=torch.uint8, device=dev) << torch.arange(8, dtype=torch.uint8, device=dev)
+    return ((packed.unsqueeze(-1) & bits) != 0).view(rows, -1)[:, :vocab]
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -141,6 +141,12 @@ class Sequence:
         self._max_output = params.max_tokens if params.max_tokens is not None else float("inf")
         self.one_pass = (params.logprobs in (None, 0) and not params.processes_logits
                          and (self.greedy or unfiltered(params)))
+        # The same for a structured sequence whose grammar's mask is its only processing (no penalties, bias,
+        # bans, allowed ids or ignore_eos): one race that reads the mask picks its token (``ModelRunner``).
+        self.masked_one_pass = (grammar is not None and params.logprobs in (None, 0) and not params.ignore_eos
+                                and not (params.has_penalties or params.logit_bias or params.bad_words_token_ids
+                                         or params.allowed_token_ids is not None)
+                                and (self.greedy or unfiltered(params)))
 
     @property
     def text(self) -> str:

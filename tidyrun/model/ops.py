@@ -49,10 +49,11 @@ class TorchOps:
         at = logits.argmax(dim=-1)
         return at, x.gather(-1, at[:, None])[:, 0] - x.logsumexp(dim=-1)
 
-    def race_sample(self, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
-                    want_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sampled (or greedy) tokens by the exponential race, and optionally (token, logprob, rank) rows."""
-        return race_sample(logits, noise, scale, want_logprob)
+    def race_sample(self, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor, want_logprob: bool,
+                    bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled (or greedy) tokens by the exponential race (among a grammar ``bitmask``'s allowed tokens),
+        and optionally (token, logprob, rank) rows."""
+        return race_sample(logits, noise, scale, want_logprob, bitmask)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,9 +177,9 @@ class TritonOps(TorchOps):
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._argmax.argmax_logprob_rows(logits)
 
-    def race_sample(self, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
-                    want_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._race.race_sample(logits, noise, scale, want_logprob)
+    def race_sample(self, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor, want_logprob: bool,
+                    bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._race.race_sample(logits, noise, scale, want_logprob, bitmask)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

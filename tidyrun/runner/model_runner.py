@@ -47,7 +47,7 @@ from ..model.sharding import TPShard
 from ..report import ShutdownReport
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
 from ..logits_process import process_logits, stop_token_bans
-from ..sampling import Sampler, logprob_records, pack_records, unpack_records
+from ..sampling import Sampler, logprob_records, pack_records, race_inputs, unpack_records
 from ..scheduler import ScheduledBatch
 from ..sequence import (NO_TOP, PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob,
                         deferrable, launchable)
@@ -522,6 +522,9 @@ class ModelRunner:
                 if one_pass is not None:  # its processed sequences have finished: the records execute takes
                     picked, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, rows)
                     at = live
+                elif masks is not None and self._masked_one_pass(rows):
+                    picked, records = self._masked_race(logits, greedy_logprob, rows, masks)
+                    at = live
                 else:  # the rows that asked, as execute has them (a logsumexp over other rows may round otherwise)
                     lp = [j for j, s in enumerate(rows) if s.params.logprobs is not None]
                     picked, records = self._draw_rows(logits.float(), rows, masks, lp, [0] * len(lp))
@@ -571,6 +574,11 @@ class ModelRunner:
         if one_pass is not None:  # one copy to the host: the records hold the tokens
             _, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, seqs)
             return StepOutput(_with_records(seqs, records.tolist()), prompt)
+        if masks is not None and self._masked_one_pass(seqs):
+            tokens, records = self._masked_race(logits, greedy_logprob, seqs, masks)
+            if records is not None:
+                return StepOutput(_with_records(seqs, records.tolist()), prompt)
+            return StepOutput([SampledTokens(s, [t]) for s, t in zip(seqs, tokens.tolist())], prompt)
         if any(s.needs_processing for s in seqs):
             return StepOutput(self._sample_processed(logits, seqs, masks), prompt)
         return StepOutput([SampledTokens(s, t) for s, t in self._sample(logits, greedy, seqs)], prompt)
@@ -601,17 +609,55 @@ class ModelRunner:
             # logsumexp rounds otherwise than the argmax kernel's (H100: 64x49152 rows differed), and async
             # scheduling keeps a finished sampled row one step longer: the same greedy row would take "race"
             # there and "greedy" in the synchronous step. Its record is the argmax pass's whatever shares its step.
-            rows = [i for i, s in enumerate(seqs) if s.greedy]
-            if rows:
-                if greedy_logprob is None:
-                    greedy_logprob = self.ops.argmax_logprob(logits)[1]
-                index = torch.tensor(rows, device=records.device)
-                records[index, 1] = greedy_logprob[index].double()
+            self._argmax_logprobs(records, logits, greedy_logprob, [i for i, s in enumerate(seqs) if s.greedy])
             return tokens, records
         if greedy is None or greedy_logprob is None:
             greedy, greedy_logprob = self.ops.argmax_logprob(logits)
         ranks = torch.ones_like(greedy_logprob, dtype=torch.float64)
         return greedy, torch.stack([greedy.double(), greedy_logprob.double(), ranks], 1)
+
+    def _argmax_logprobs(self, records: torch.Tensor, logits: torch.Tensor, greedy_logprob: torch.Tensor | None,
+                         rows: list[int]) -> None:
+        """Greedy ``rows``' logprobs in ``records`` (a race's) replaced by the argmax pass's (the graph's, else one
+        pass): the bits a step of greedy rows alone gives them (``_one_pass_records`` says why)."""
+        if rows:
+            if greedy_logprob is None:
+                greedy_logprob = self.ops.argmax_logprob(logits)[1]
+            index = torch.tensor(rows, device=records.device)
+            records[index, 1] = greedy_logprob[index].double()
+
+    def _masked_one_pass(self, seqs: list[Sequence]) -> bool:
+        """Whether a step's tokens (and ``logprobs=0`` records) come from one race that reads the grammars' masks
+        (``_masked_race``): every sequence is one-pass or ``masked_one_pass``, logprobs raw, no drafts, no
+        stop-token ban below ``min_tokens`` (a grammar's completeness decides those: the processed path)."""
+        if not all((s.one_pass or s.masked_one_pass) and not s.draft_tokens for s in seqs):
+            return False
+        if self.config.logprobs_mode != "raw_logprobs" and any(s.params.logprobs is not None for s in seqs):
+            return False
+        return not any(s.params.min_tokens and s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids)
+                       for s in seqs)
+
+    def _masked_race(self, logits: torch.Tensor, greedy_logprob: torch.Tensor | None, seqs: list[Sequence],
+                     masks: PendingMasks) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens (and, when some sequence asked, (token, raw logprob, rank) rows for all) of a
+        ``_masked_one_pass`` step, on the device: one race over the logits in the model's dtype that reads
+        the grammars' int32 bitmask itself. The same tokens and raw records as the processed path (float copy,
+        ``apply_bitmask``, the sampler), without its copy, unpacking launches and per-row rules: on the H100
+        host those cost ~0.5 ms of a 64-row JSON step (docs/BENCHMARKS.md). The noise is drawn while the
+        masks fill."""
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        noise, scale = race_inputs(logits.shape, logits.device, params, generators)
+        bitmask = masks.wait()
+        if len(masks.states) < len(seqs):  # plain rows beside: every token allowed
+            full = torch.full((len(seqs), bitmask.shape[1]), -1, dtype=torch.int32)
+            full[[i for i, s in enumerate(seqs) if s.grammar is not None]] = bitmask
+            bitmask = full
+        want = any(s.params.logprobs is not None for s in seqs)
+        tokens, records = self.ops.race_sample(logits, noise, scale, want, bitmask.to(logits.device))
+        if records is not None:  # plain greedy rows: as in a race without masks
+            self._argmax_logprobs(records, logits, greedy_logprob,
+                                  [i for i, s in enumerate(seqs) if s.greedy and s.grammar is None])
+        return tokens, records
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor | None,
                 seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:

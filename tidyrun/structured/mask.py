@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import allowed_tokens
+
 
 class MaskLayout:
     """How llguidance's mask (one bit per tokenizer token) maps onto the logits' width.
@@ -69,9 +71,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
     ``logits`` [N, vocab] float; ``bitmask`` int32 [R, ceil(vocab/32)] on the
     host. Bitmask row i applies to logits row ``rows[i]`` (all N rows, R == N,
     when ``rows`` is None). One copy of the mask to the device, then
-    vectorized unpacking (no loop over tokens); the unpacked mask takes one
-    byte per token (the words are read as little-endian bytes, as on every
-    platform torch and llguidance run on).
+    ``sampling.allowed_tokens``' vectorized unpacking (one byte per token).
     """
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError(f"need logits [N, vocab] and an int32 bitmask [R, words]; got {tuple(logits.shape)} "
@@ -90,9 +90,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
     if count == 0:
         return
     dev = logits.device
-    packed = bitmask.contiguous().to(dev).view(torch.uint8)  # [count, words * 4]: byte k holds tokens 8k..8k+7
-    bits = torch.ones(8, dtype=torch.uint8, device=dev) << torch.arange(8, dtype=torch.uint8, device=dev)
-    refused = ((packed.unsqueeze(-1) & bits) == 0).view(count, words * 32)[:, :vocab]
+    refused = ~allowed_tokens(bitmask.to(dev), vocab)
     if rows is None:
         logits.masked_fill_(refused, float("-inf"))
         return
