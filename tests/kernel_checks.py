@@ -326,7 +326,8 @@ def check_masked_race(device, dtype, shapes=((1, 10000), (6, 4097), (4, 700)), b
         bitmask[0] = -1  # everything allowed, bits past the vocabulary too
         if rows > 1:
             bitmask[1] = 0
-            bitmask[1, (vocab - 1) // 32] = 1 << ((vocab - 1) % 32)  # only the last token
+            bit = (vocab - 1) % 32  # only the last token (bit 31 is the int32's sign)
+            bitmask[1, (vocab - 1) // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)
         if rows > 3:
             bitmask[3] &= 0x0F0F0F0F  # sparser
         x = (torch.randn(rows, vocab + 5, generator=g) * 3).to(device=device, dtype=dtype)[:, :vocab]

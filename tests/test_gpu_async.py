@@ -89,7 +89,7 @@ def test_cuda_masked_race_gives_the_processed_paths_tokens(default_model, monkey
     from test_async_scheduling import MASKED, masked_params
     from tidyrun.runner.model_runner import ModelRunner
 
-    params = masked_params(MASKED)
+    params = masked_params(MASKED) + [SamplingParams(temperature=0, max_tokens=20)]  # a row per question
     got = outputs(default_model, params, batch_invariant=True)
     monkeypatch.setattr(ModelRunner, "_masked_one_pass", lambda self, seqs: False)
     processed = outputs(default_model, params, batch_invariant=True)
