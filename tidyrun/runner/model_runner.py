@@ -32,6 +32,7 @@ import time
 import warnings
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..attention import ForwardContext
@@ -649,9 +650,11 @@ class ModelRunner:
         noise, scale = race_inputs(logits.shape, logits.device, params, generators)
         bitmask = masks.wait()
         if len(masks.states) < len(seqs):  # plain rows beside: every token allowed
-            full = torch.full((len(seqs), bitmask.shape[1]), -1, dtype=torch.int32)
-            full[[i for i, s in enumerate(seqs) if s.grammar is not None]] = bitmask
-            bitmask = full
+            # numpy, on this thread only: torch's CPU fill of a mask this size wakes its OpenMP threads, which
+            # spin after it and starve llguidance's pool filling the next masks (docs/BENCHMARKS.md, H100)
+            full = np.full((len(seqs), bitmask.shape[1]), -1, dtype=np.int32)
+            full[[i for i, s in enumerate(seqs) if s.grammar is not None]] = bitmask.numpy()
+            bitmask = torch.from_numpy(full)
         want = any(s.params.logprobs is not None for s in seqs)
         tokens, records = self.ops.race_sample(logits, noise, scale, want, bitmask.to(logits.device))
         if records is not None:  # plain greedy rows: as in a race without masks

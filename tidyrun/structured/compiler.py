@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
@@ -214,10 +215,12 @@ class PendingMasks:
             fill, src, dst = self._parts[0]
             if fill.bitmask.shape[0] == len(self.states) and src == dst == list(range(len(self.states))):
                 return fill.bitmask  # the fill's rows are this step's, in order
-        out = torch.empty(len(self.states), self._words, dtype=torch.int32)
+        # numpy's row gather, on this thread only: torch's wakes its OpenMP threads for a mask this size, which
+        # spin after it beside llguidance's pool (docs/BENCHMARKS.md: the mask wait grew tenfold on the H100)
+        out = np.empty((len(self.states), self._words), dtype=np.int32)
         for fill, src, dst in self._parts:
-            out[dst] = fill.bitmask[src]
-        return out
+            out[dst] = fill.bitmask.numpy()[src]
+        return torch.from_numpy(out)
 
     def settle(self) -> None:
         """Wait without raising: the states are the caller's again (cleanup after a failed step)."""
