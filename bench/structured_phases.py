@@ -139,7 +139,7 @@ def main() -> None:
               f"({row['overhead']:+.1%})")
         labels = sorted(set(row["json"]["phases"]) | set(row["free"]["phases"]),
                         key=lambda k: -row["json"]["phases"].get(k, {"ms": 0})["ms"])
-        print(f"| phase | JSON calls | JSON ms | free calls | free ms |\n|---|---|---|---|---|")
+        print("| phase | JSON calls | JSON ms | free calls | free ms |\n|---|---|---|---|---|")
         for k in labels:
             j, f = row["json"]["phases"].get(k), row["free"]["phases"].get(k)
             print(f"| {k} | {j['calls'] if j else '-'} | {j['ms']:.2f} |" if j else f"| {k} | - | - |", end="")

@@ -311,10 +311,12 @@ def check_race(device, dtype, shapes=((1, 10000), (5, 4097), (3, 700)), block=51
         assert (raced[whole, 1] - logprob[whole].double()).abs().max().item() <= 1e-4, f"greedy race logprobs {rows}x{vocab}"
 
 
-def check_masked_race(device, dtype, shapes=((1, 10000), (6, 4097), (4, 700)), block=512, seed=0):
+def check_masked_race(device, dtype, shapes=((1, 10000), (6, 4097), (6, 4096), (4, 700)), block=512, seed=0):
     """race_sample with a grammar's bitmask (Triton) against the torch reference and against the race over the
-    logits masked to -inf: the same tokens, always allowed ones (a row allowing one token takes it; a greedy
-    row the masked argmax); logprob and rank those of the raw logits (the reference's within 1e-4)."""
+    logits masked to -inf: the same tokens, allowed ones (a row allowing one token takes it, at bit 31 of its
+    word too; a greedy row the masked argmax; a row allowing none token 0, as the processed path's argmax over
+    -inf); logprob and rank those of the raw logits (the reference's within 1e-4); a bitmask whose rows are
+    views of wider rows reads right."""
     from tidyrun.kernels.race import race_sample
     from tidyrun.sampling import allowed_tokens
     from tidyrun.sampling import race_sample as reference
@@ -330,19 +332,26 @@ def check_masked_race(device, dtype, shapes=((1, 10000), (6, 4097), (4, 700)), b
             bitmask[1, (vocab - 1) // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)
         if rows > 3:
             bitmask[3] &= 0x0F0F0F0F  # sparser
+        if rows > 4:
+            bitmask[4] = 0  # nothing allowed
         x = (torch.randn(rows, vocab + 5, generator=g) * 3).to(device=device, dtype=dtype)[:, :vocab]
         noise = torch.empty(rows, vocab).exponential_(generator=g).to(device)
         scale = torch.tensor([[1.0, 0.0] if r % 3 == 2 else [1.0 / (0.5 + r), 1.0] for r in range(rows)]).to(device)
-        mask = bitmask.to(device)
+        wider = torch.zeros(rows, words + 3, dtype=torch.int32)
+        wider[:, :words] = bitmask
+        mask = wider.to(device)[:, :words]  # row stride != words
         tokens, packed = race_sample(x, noise, scale, True, mask, block=block)
         ref_tokens, ref_packed = reference(x, noise, scale, True, mask)
         allowed = allowed_tokens(mask, vocab)
         masked_x = x.float().masked_fill(~allowed, float("-inf"))
         plain_tokens, _ = race_sample(masked_x, noise, scale, False, block=block)
         assert tokens.tolist() == ref_tokens.tolist() == plain_tokens.tolist(), f"masked race tokens {rows}x{vocab}"
-        assert allowed[torch.arange(rows, device=tokens.device), tokens].all(), "a refused token was drawn"
+        some = [r for r in range(rows) if r != 4]
+        assert allowed[some, tokens[some]].all(), "a refused token was drawn"
         if rows > 1:
             assert tokens[1].item() == vocab - 1, "the only allowed token"
+        if rows > 4:
+            assert tokens[4].item() == 0, "a row allowing nothing: token 0"
         for r in range(rows):
             if scale[r, 1].item() == 0:
                 assert tokens[r].item() == masked_x[r].argmax().item(), "greedy row: the masked argmax"

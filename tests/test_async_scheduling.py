@@ -293,7 +293,7 @@ def test_default_overlaps_steps_only_where_it_applies(default_model):
         llm.shutdown()
 
 
-MASKED = [  # grammar rows whose mask is their only processing, beside plain rows
+MASKED = (  # grammar rows whose mask is their only processing, beside plain rows
     dict(temperature=1.0, seed=3, max_tokens=40, logprobs=0, json={"type": "object", "properties": {
         "a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}}, "required": ["a", "b"],
         "additionalProperties": False}),
@@ -304,7 +304,21 @@ MASKED = [  # grammar rows whose mask is their only processing, beside plain row
     dict(temperature=0, max_tokens=30, logprobs=0),
     dict(temperature=1.0, seed=6, max_tokens=25, logprobs=0),
     dict(temperature=0.9, seed=7, max_tokens=12),
-]
+)
+
+
+def count_calls(monkeypatch, owner, *names) -> dict:
+    """Counts of calls of ``owner``'s methods ``names`` (wrapped for the test)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(owner, name)
+
+        def counted(self, *args, _name=name, _real=real, **kwargs):
+            calls[_name] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+    return calls
 
 
 def masked_params(cases) -> list[SamplingParams]:
@@ -329,23 +343,36 @@ def test_masked_race_gives_the_processed_paths_tokens_and_records(engines, monke
     the step (until that row finishes) down the processed path."""
     from tidyrun.runner.model_runner import ModelRunner
 
-    params = masked_params(MASKED + ([extra] if extra else []))
+    params = masked_params(MASKED + ((extra,) if extra else ()))
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(len(params))]
-    races = {"n": 0}
-    real = ModelRunner._masked_race
-
-    def counted(self, *args):
-        races["n"] += 1
-        return real(self, *args)
-
-    monkeypatch.setattr(ModelRunner, "_masked_race", counted)
-    got = {a: engines[a].generate(prompts, params, use_tqdm=False) for a in (False, True)}
-    assert races["n"] >= (30 if extra is None else 4), races  # (the steps after the penalty row's last)
+    calls = count_calls(monkeypatch, ModelRunner, "_masked_race", "_draw_rows")
+    got = {}
+    for a in (False, True):
+        got[a] = engines[a].generate(prompts, params, use_tqdm=False)
+        # every step while the penalty row runs (10 tokens) takes the processed path, the steps after it the race
+        assert calls["_masked_race"] >= (15 if extra is None else 4) and (calls["_draw_rows"] > 0) == bool(extra), calls
+        calls.update(_masked_race=0, _draw_rows=0)
     monkeypatch.setattr(ModelRunner, "_masked_one_pass", lambda self, seqs: False)
     processed = engines[False].generate(prompts, params, use_tqdm=False)
+    assert calls["_masked_race"] == 0 and calls["_draw_rows"] >= 15, calls
     for a in (False, True):
         assert_same_records(got[a], processed)
         assert [[c.text for c in o.outputs] for o in got[a]] == [[c.text for c in o.outputs] for o in processed]
     assert isinstance(__import__("json").loads(got[True][0].outputs[0].text)["a"], int)
     assert all(c.text in ("yes", "no", "maybe") for c in got[True][2].outputs)
     assert __import__("re").fullmatch(r"[0-9]{3}-[a-z]{2,5}", got[True][3].outputs[0].text)
+
+
+@pytest.mark.parametrize("change", [dict(min_tokens=20), dict(ignore_eos=True), dict(top_k=20),
+                                    dict(logit_bias={13: -5.0}), dict(logprobs=2)],
+                         ids=["min_tokens", "ignore_eos", "top_k", "logit_bias", "top-logprobs"])
+def test_grammar_rows_with_more_processing_stay_on_the_processed_path(engines, monkeypatch, change):
+    """A grammar row with anything besides its mask to process (a stop-token ban below min_tokens, ignore_eos,
+    a top-k cut, a bias, top-k logprobs) never takes the masked race: its step goes down the processed path."""
+    from tidyrun.runner.model_runner import ModelRunner
+
+    case = dict(MASKED[0], max_tokens=20) | change
+    params = masked_params((case, MASKED[4]))
+    calls = count_calls(monkeypatch, ModelRunner, "_masked_race", "_draw_rows")
+    engines[False].generate(list(QUESTIONS[:2]), params, use_tqdm=False)
+    assert calls["_masked_race"] == 0 and calls["_draw_rows"] >= 5, calls

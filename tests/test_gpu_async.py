@@ -86,11 +86,13 @@ def test_cuda_masked_race_gives_the_processed_paths_tokens(default_model, monkey
     """Grammar rows whose mask is their only processing: the masked race (Triton, bf16 logits read as they
     are) gives the processed path's tokens and ranks, raw log-probabilities within 1e-4 (two kernels'
     logsumexps), synchronous and ahead (the CPU test checks the outputs' validity)."""
-    from test_async_scheduling import MASKED, masked_params
+    from test_async_scheduling import MASKED, count_calls, masked_params
     from tidyrun.runner.model_runner import ModelRunner
 
     params = masked_params(MASKED) + [SamplingParams(temperature=0, max_tokens=20)]  # a row per question
+    calls = count_calls(monkeypatch, ModelRunner, "_masked_race")
     got = outputs(default_model, params, batch_invariant=True)
+    assert calls["_masked_race"] >= 30, calls  # both engines, sync and ahead
     monkeypatch.setattr(ModelRunner, "_masked_one_pass", lambda self, seqs: False)
     processed = outputs(default_model, params, batch_invariant=True)
     for a in (False, True):

@@ -35,7 +35,9 @@ def _race_slices_kernel(x_ptr, noise_ptr, scale_ptr, mask_ptr, max_ptr, sum_ptr,
     # Greedy rows read no noise (E = 1: the race is the argmax). E is kept above 0 so log(E) stays finite.
     e = tl.load(noise_ptr + row * stride_n + cols, mask=cols < tl.where(noisy != 0.0, V, 0), other=1.0)
     race = tl.where(inside, x * inv_t - tl.log(tl.maximum(e, 1e-30)), -float("inf"))
-    if MASKED:  # bit c % 32 of word c // 32 set: token c allowed (a grammar's mask); the logsumexp stays raw
+    # Bit c % 32 of word c // 32 set: token c allowed (a grammar's mask); the logsumexp stays raw. A row that
+    # allows nothing gets token 0, as the argmax over a row of -inf does on the processed path.
+    if MASKED:
         words = tl.load(mask_ptr + row * stride_m + cols // 32, mask=inside, other=0)
         race = tl.where(((words >> (cols % 32)) & 1) != 0, race, -float("inf"))
     best, at = tl.max(race, axis=0, return_indices=True, return_indices_tie_break_left=True)
@@ -84,9 +86,9 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor, 
     if logits.stride(1) != 1 or noise.stride(1) != 1 or not scale.is_contiguous():
         raise ValueError("race_sample needs rows with contiguous columns and a contiguous scale [B, 2]")
     if bitmask is not None and (bitmask.dtype != torch.int32 or bitmask.shape != (rows, (vocab + 31) // 32)
-                                or bitmask.stride(1) != 1):
+                                or bitmask.stride(1) != 1 or bitmask.device != logits.device):
         raise ValueError(f"race_sample's bitmask must be int32 [{rows}, {(vocab + 31) // 32}] with contiguous "
-                         f"rows, got {bitmask.dtype} {tuple(bitmask.shape)}")
+                         f"rows on {logits.device}, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     packed = torch.empty(rows, 3, dtype=torch.float64, device=logits.device) if want_logprob else None
     if rows == 0:

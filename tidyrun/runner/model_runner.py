@@ -630,7 +630,8 @@ class ModelRunner:
     def _masked_one_pass(self, seqs: list[Sequence]) -> bool:
         """Whether a step's tokens (and ``logprobs=0`` records) come from one race that reads the grammars' masks
         (``_masked_race``): every sequence is one-pass or ``masked_one_pass``, logprobs raw, no drafts, no
-        stop-token ban below ``min_tokens`` (a grammar's completeness decides those: the processed path)."""
+        stop-token ban below ``min_tokens`` (a ban is processing; for a grammar row, whether it applies depends
+        on the grammar's completeness: ``process_logits`` decides both)."""
         if not all((s.one_pass or s.masked_one_pass) and not s.draft_tokens for s in seqs):
             return False
         if self.config.logprobs_mode != "raw_logprobs" and any(s.params.logprobs is not None for s in seqs):
@@ -642,10 +643,15 @@ class ModelRunner:
                      masks: PendingMasks) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens (and, when some sequence asked, (token, raw logprob, rank) rows for all) of a
         ``_masked_one_pass`` step, on the device: one race over the logits in the model's dtype that reads
-        the grammars' int32 bitmask itself. The same tokens and raw records as the processed path (float copy,
-        ``apply_bitmask``, the sampler), without its copy, unpacking launches and per-row rules: on the H100
-        host those cost ~0.5 ms of a 64-row JSON step (docs/BENCHMARKS.md). The noise is drawn while the
-        masks fill."""
+        the grammars' int32 bitmask itself. For seeded rows the processed path's tokens (float copy,
+        ``apply_bitmask``, the sampler: each generator draws the same noise; unseeded rows draw theirs from the
+        global generator in one batch of another shape), its raw records up to the rounding of another
+        logsumexp on the GPU; without its copy, unpacking launches and per-row rules: on the H100 host those cost
+        ~0.5 ms of a 64-row JSON step (docs/BENCHMARKS.md). The noise is drawn while the masks fill."""
+        grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if len(masks.states) != len(grammar_rows) or any(masks.states[j] is not seqs[i].grammar
+                                                         for j, i in enumerate(grammar_rows)):
+            raise RuntimeError("_masked_race: the pending masks are not those of this step's grammar rows")
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
         noise, scale = race_inputs(logits.shape, logits.device, params, generators)
         bitmask = masks.wait()
@@ -653,7 +659,7 @@ class ModelRunner:
             # numpy, on this thread only: torch's CPU fill of a mask this size wakes its OpenMP threads, which
             # spin after it and starve llguidance's pool filling the next masks (docs/BENCHMARKS.md, H100)
             full = np.full((len(seqs), bitmask.shape[1]), -1, dtype=np.int32)
-            full[[i for i, s in enumerate(seqs) if s.grammar is not None]] = bitmask.numpy()
+            full[grammar_rows] = bitmask.numpy()
             bitmask = torch.from_numpy(full)
         want = any(s.params.logprobs is not None for s in seqs)
         tokens, records = self.ops.race_sample(logits, noise, scale, want, bitmask.to(logits.device))
