@@ -36,8 +36,11 @@ name. So tidyrun keeps one dependency-free library; the branch keeps the
 xgrammar backend and its tests.
 
 The mask is a host int32 bitmask (bit ``t % 32`` of word ``t // 32`` set =
-token ``t`` allowed), filled per sequence on the host and applied to the
-logits on their device with one copy (``apply_bitmask``).
+token ``t`` allowed), filled per sequence on the host and copied to the
+logits' device once per step: a step whose grammar rows have nothing else to
+process samples with one race that reads the words itself
+(``kernels/race.py``, ``ModelRunner._masked_race``); the others set refused
+tokens' logits to -inf first (``apply_bitmask``).
 """
 
 from .compiler import GrammarCompiler, PendingMasks
