@@ -99,8 +99,7 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     penalty_rows: list[int] = []
     grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
     grammar_states = [seqs[row].grammar for row in grammar_rows]
-    if masks is not None and (len(masks.states) != len(grammar_states)
-                              or any(a is not b for a, b in zip(masks.states, grammar_states))):
+    if masks is not None and not masks.serve(grammar_states):
         masks.settle()
         raise RuntimeError("process_logits: the pending masks are not those of this batch's grammar rows")
     if grammar_states and masks is None:  # every row's grammar past its last token at once, before any query

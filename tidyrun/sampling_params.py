@@ -311,8 +311,13 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether anything besides temperature/top-k/top-p/min-p changes this request's logits."""
+        return self.processes_besides_grammar or self.structured_outputs is not None
+
+    @property
+    def processes_besides_grammar(self) -> bool:
+        """``processes_logits`` leaving out a structured-outputs mask (penalties, bias, allowed ids, bad words)."""
         return bool(self.has_penalties or self.logit_bias or self.allowed_token_ids is not None
-                    or self.bad_words_token_ids or self.structured_outputs is not None)
+                    or self.bad_words_token_ids)
 
     @classmethod
     def from_optional(cls, **kwargs) -> SamplingParams:

@@ -139,14 +139,12 @@ class Sequence:
         # once for the same reason (at batch 256 the per-step checks of the params cost ~0.5 ms on the H200).
         self.greedy = params.greedy
         self._max_output = params.max_tokens if params.max_tokens is not None else float("inf")
-        self.one_pass = (params.logprobs in (None, 0) and not params.processes_logits
-                         and (self.greedy or unfiltered(params)))
+        whole = params.logprobs in (None, 0) and (self.greedy or unfiltered(params))
+        self.one_pass = whole and not params.processes_logits
         # The same for a structured sequence whose grammar's mask is its only processing (no penalties, bias,
         # bans, allowed ids or ignore_eos): one race that reads the mask picks its token (``ModelRunner``).
-        self.masked_one_pass = (grammar is not None and params.logprobs in (None, 0) and not params.ignore_eos
-                                and not (params.has_penalties or params.logit_bias or params.bad_words_token_ids
-                                         or params.allowed_token_ids is not None)
-                                and (self.greedy or unfiltered(params)))
+        self.masked_one_pass = (whole and grammar is not None and not params.ignore_eos
+                                and not params.processes_besides_grammar)
 
     @property
     def text(self) -> str:

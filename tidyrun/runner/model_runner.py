@@ -509,8 +509,7 @@ class ModelRunner:
             return step
         seqs = step.seqs
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
-        tokens = torch.zeros(len(seqs), dtype=torch.int64, device=self.device)
-        records = None
+        tokens, records = None, None
         if step.logits is not None and live:  # else nothing samples, or every sequence finished before
             rows = [seqs[i] for i in live]
             grammars = [s.grammar for s in rows if s.grammar is not None]
@@ -533,11 +532,14 @@ class ModelRunner:
             finally:
                 if masks is not None:
                     masks.settle()
-            tokens = picked if every else tokens.index_copy_(0, torch.tensor(live, device=tokens.device), picked)
+            tokens = picked if every else torch.zeros(len(seqs), dtype=picked.dtype,
+                                                      device=picked.device).index_copy_(0, index, picked)
             if records is not None and len(at) < len(seqs):  # the other rows' records: just their tokens
                 full = torch.zeros(len(seqs), 3, dtype=records.dtype, device=records.device)
                 full[:, 0] = tokens
                 records = full.index_copy_(0, torch.tensor(at, device=records.device), records)
+        if tokens is None:
+            tokens = torch.zeros(len(seqs), dtype=torch.int64, device=self.device)
         host_copy = None if self.inputs is None else self.inputs.send_tokens(tokens, records)
         return LaunchedStep(step.batch, seqs, tokens, records, host_copy)
 
@@ -592,8 +594,7 @@ class ModelRunner:
         if (self.config.logprobs_mode != "raw_logprobs" or all(s.params.logprobs is None for s in seqs)
                 or not all(s.one_pass and not s.draft_tokens for s in seqs)):
             return None
-        if any(s.params.min_tokens and s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids)
-               for s in seqs):
+        if self._stop_ban_below_min(seqs):
             return None
         return "greedy" if all(s.greedy for s in seqs) else "race"
 
@@ -636,8 +637,12 @@ class ModelRunner:
             return False
         if self.config.logprobs_mode != "raw_logprobs" and any(s.params.logprobs is not None for s in seqs):
             return False
-        return not any(s.params.min_tokens and s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids)
-                       for s in seqs)
+        return not self._stop_ban_below_min(seqs)
+
+    def _stop_ban_below_min(self, seqs: list[Sequence]) -> bool:
+        """Whether some sequence below its ``min_tokens`` has stop tokens to ban (processing: no one-pass step)."""
+        return any(s.params.min_tokens and s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids)
+                   for s in seqs)
 
     def _masked_race(self, logits: torch.Tensor, greedy_logprob: torch.Tensor | None, seqs: list[Sequence],
                      masks: PendingMasks) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -649,8 +654,7 @@ class ModelRunner:
         logsumexp on the GPU; without its copy, unpacking launches and per-row rules: on the H100 host those cost
         ~0.5 ms of a 64-row JSON step (docs/BENCHMARKS.md). The noise is drawn while the masks fill."""
         grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if len(masks.states) != len(grammar_rows) or any(masks.states[j] is not seqs[i].grammar
-                                                         for j, i in enumerate(grammar_rows)):
+        if not masks.serve([seqs[i].grammar for i in grammar_rows]):
             raise RuntimeError("_masked_race: the pending masks are not those of this step's grammar rows")
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
         noise, scale = race_inputs(logits.shape, logits.device, params, generators)

@@ -207,6 +207,10 @@ class PendingMasks:
         self._parts = parts
         self._words = words
 
+    def serve(self, states: Sequence[GrammarState]) -> bool:
+        """Whether these are the masks of ``states``, in order (the same objects)."""
+        return len(self.states) == len(states) and all(a is b for a, b in zip(self.states, states))
+
     def wait(self) -> torch.Tensor:
         """The filled bitmask (host int32 [len(states), words]); re-raises what a fill raised."""
         for fill, _, _ in self._parts:
