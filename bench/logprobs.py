@@ -13,6 +13,13 @@ grammar's per-token mask costs what it costs users): ``--json-requests``
 requests at temperature 1, each generating until its JSON object is complete,
 vs the same requests unconstrained with the same token counts, the two
 alternating round by round; reported per output token.
+(c) JSON decode step: B requests (``--json-batches``) decoding under a JSON
+array of (b)'s objects that cannot close (``RECORDS``), at temperature 1,
+vs the same rows unconstrained: the mean of ``--decode-steps`` consecutive
+``llm.step()`` calls synchronised only around the block (steps launched
+ahead overlap as in ``generate``), median of ``--rounds`` alternating
+rounds. Where (b) is dominated by short requests' prefill and tail, this is
+the steady state of a long structured rollout.
 
 CPU smoke test:
 
@@ -158,6 +165,65 @@ def structured_row(name: str, ckpt: str | None, args: argparse.Namespace, schedu
         llm.shutdown()
 
 
+# (c): a JSON array of SCHEMA's objects that cannot close within the measured steps, so every row stays under
+# the grammar (keys, integers, strings, separators) for as long as it decodes.
+RECORDS = {"type": "array", "items": SCHEMA, "minItems": 1000}
+
+
+def steady_step_ms(llm, params, batch: int, plen: int, steps: int, vocab: int, device: str) -> float:
+    """Mean wall time (ms) of ``steps`` consecutive ``llm.step()`` calls with ``batch`` requests of
+    ``params`` decoding, synchronised only before and after the block: unlike ``step_times`` (one sync per
+    step), a step launched ahead overlaps the host's next one, as in ``generate``."""
+    rng = random.Random(3)
+    rids = [llm.add_request({"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(plen)]}, params)
+            for _ in range(batch)]
+    while not all(llm.request_output(r).outputs[0].token_ids for r in rids):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    sync(device)
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    assert llm.stats()["running"] == batch, "not every request decoded every step"
+    for r in rids:
+        llm.abort_request(r)
+    while llm.has_unfinished_requests():
+        llm.step()
+    return ms
+
+
+def json_decode_rows(args: argparse.Namespace) -> list[dict]:
+    """(c) for the default model and each ``--structured-shapes`` entry: decode steps of B rows under
+    ``RECORDS`` vs the same rows unconstrained, the sides alternating round by round; median over rounds."""
+    from tidyrun import LLM, SamplingParams, StructuredOutputsParams
+
+    rows = []
+    for name, ckpt in [("default", None)] + [(s, structured_checkpoint(s, args.device)) for s in args.structured_shapes]:
+        llm = LLM(ckpt, device=args.device, dtype=args.dtype, max_model_len=1024)
+        try:
+            vocab = llm.runner.model_config.vocab_size
+            spec = StructuredOutputsParams(json=RECORDS, disable_any_whitespace=True)
+            plen, max_tokens = 128, 1024 - 128 - 1
+            sides = {"json": SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, structured_outputs=spec),
+                     "free": SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)}
+            for params in sides.values():  # kernels and graphs of both sides built before either is timed
+                steady_step_ms(llm, params, max(args.json_batches), plen, 3, vocab, args.device)
+            for b in args.json_batches:
+                ms: dict[str, list[float]] = {"json": [], "free": []}
+                for _ in range(args.rounds):
+                    for side, params in sides.items():
+                        ms[side].append(steady_step_ms(llm, params, b, plen, args.decode_steps, vocab, args.device))
+                t = {k: statistics.median(v) for k, v in ms.items()}
+                rows.append(dict(model=name, batch=b, ms=ms, json_ms=t["json"], free_ms=t["free"],
+                                 overhead=t["json"] / t["free"] - 1))
+        finally:
+            llm.shutdown()
+    return rows
+
+
 def _valid(text: str) -> bool:
     try:
         obj = json.loads(text)
@@ -180,6 +246,9 @@ def main() -> None:
                     help="engine modes of (a), as throughput.py's --modes (graphs: synchronous steps)")
     ap.add_argument("--structured-scheduling", nargs="+", default=["default"], choices=["default", "async", "sync"],
                     help="async_scheduling of (b)'s engine: the engine's default (on for CUDA), on, off")
+    ap.add_argument("--json-batches", type=int, nargs="+", default=[16, 64],
+                    help="rows of (c), the steady-state JSON decode step")
+    ap.add_argument("--skip-json-decode", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-structured", action="store_true")
     ap.add_argument("--json", default="bench/results/logprobs.json")
@@ -202,11 +271,20 @@ def main() -> None:
         for r in structured:
             print(f"| {r['model']} | {r['scheduling']} | {r['requests']} | {r['output_tokens']} | {r['valid']} | "
                   f"{r['json_us_per_token']:.1f} | {r['free_us_per_token']:.1f} | {r['overhead'] * 100:+.1f}% |")
+    json_decode = []
+    if not args.skip_json_decode:
+        json_decode = json_decode_rows(args)
+        print(f"\n(c) JSON decode step (an array of the schema's objects, temperature 1, default scheduling), mean "
+              f"of {args.decode_steps} steps, median of {args.rounds} alternating rounds")
+        print("| model | batch | JSON ms/step | unconstrained ms/step | overhead |")
+        print("|---|---|---|---|---|")
+        for r in json_decode:
+            print(f"| {r['model']} | {r['batch']} | {r['json_ms']:.3f} | {r['free_ms']:.3f} | {r['overhead'] * 100:+.1f}% |")
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(device=device, torch=torch.__version__, args=vars(args), decode=decode,
-                       structured=structured), f, indent=1)
+                       structured=structured, json_decode=json_decode), f, indent=1)
 
 
 if __name__ == "__main__":
