@@ -35,7 +35,8 @@ NEUTRAL = dict(trust_remote_code=True, enable_sleep_mode=True, quantization=None
                cpu_offload_gb=0, hf_overrides={}, tokenizer_revision=None, disable_custom_all_reduce=True,
                compilation_config={"cudagraph_capture_sizes": [1, 2]}, kv_cache_dtype="auto",
                limit_mm_per_prompt=None, disable_mm_preprocessor_cache=True, speculative_config=None,
-               tokenizer="org/tiny")
+               tokenizer="org/tiny", enable_lora=False, max_lora_rank=16, max_loras=1, task="generate",
+               runner="auto", worker_cls="auto", worker_extension_cls="", generation_config="auto")
 
 
 def fake_hub_cache(root, repo_id: str, checkpoint: str) -> str:
@@ -125,6 +126,12 @@ REFUSED = [
     ("compilation_config", {"level": 3}, "does not use torch.compile"),
     ("logprobs_mode", "logits", "logprobs_mode must be one of"),
     ("max_logprobs", -2, "max_logprobs must be"),
+    ("enable_lora", True, "no LoRA adapters"),
+    ("max_lora_rank", 0, "an int >= 1"),
+    ("task", "embed", "llm.embed"),
+    ("runner", "pooling", "llm.embed"),
+    ("worker_extension_cls", "trl.scripts.vllm_serve.WeightSyncWorkerExtension", "collective_rpc"),
+    ("generation_config", "/some/folder", "'auto'.*'vllm'"),
 ]
 
 
@@ -171,8 +178,8 @@ def test_gguf_quantization_needs_a_gguf_model(tiny_llama_dir):
 
 
 def test_an_unknown_keyword_is_a_type_error(tmp_path):
-    with pytest.raises(TypeError, match="enable_lora"):
-        LLM(str(tmp_path), enable_lora=True)
+    with pytest.raises(TypeError, match="enable_lora_bias"):
+        LLM(str(tmp_path), enable_lora_bias=True)
 
 
 def test_a_config_still_refuses_other_options_and_checks_no_effect_ones(tiny_llama_dir):
@@ -270,8 +277,102 @@ def test_chat_passes_vllm_arguments_to_the_template(neutral):
         neutral.chat(messages, GREEDY, use_tqdm=False, chat_template="{{ raise_exception('boom') }}")
     with pytest.raises(InvalidRequestError, match=r"may not set \['tokenize'\]"):
         neutral.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs={"tokenize": True})
-    with pytest.raises(InvalidRequestError, match="chat_template_content_format='openai'"):
-        neutral.chat(messages, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+    with pytest.raises(InvalidRequestError, match="chat_template_content_format must be 'auto', 'string' or"):
+        neutral.chat(messages, GREEDY, use_tqdm=False, chat_template_content_format="blocks")
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}:{% if m['content'] is string %}s={{ m['content'] }}"
+                  "{% else %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endif %}>>{% endfor %}")
+
+
+def test_chat_takes_openai_content_parts_as_vllm_does(neutral):
+    """Contents as OpenAI text parts or None (tool-call turns): joined by newlines for a string template
+    ("auto" / "string"), handed over as parts with "openai"; other parts and mm_processor_kwargs refused."""
+    tok = neutral.get_tokenizer()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+             {"role": "assistant", "content": None}]
+    cases = [("auto", "<<user:s=Hi\nthere>><<assistant:s=>>"), ("string", "<<user:s=Hi\nthere>><<assistant:s=>>"),
+             ("openai", "<<user:[Hi][there]>><<assistant:>>")]
+    for content_format, text in cases:
+        [out] = neutral.chat(parts, GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE, add_generation_prompt=False,
+                             chat_template_content_format=content_format)
+        assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False), content_format
+    [out] = neutral.chat([{"role": "user", "content": "plain"}], GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE,
+                         add_generation_prompt=False, chat_template_content_format="openai")
+    assert out.prompt_token_ids == tok.encode("<<user:[plain]>>", add_special_tokens=False)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    with pytest.raises(InvalidRequestError, match="content part must be .*text-only.*image_url"):
+        neutral.chat(image, GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="mm_processor_kwargs=.*text-only"):
+        neutral.chat(parts[:1], GREEDY, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})
+    assert not neutral.has_unfinished_requests()
+
+
+def test_prompt_types_and_numpy_token_ids_as_vllm_takes_them(neutral, reference):
+    """``TokensPrompt`` / ``TextPrompt`` (vllm.inputs), token ids as NumPy or torch integers (verl passes
+    ``list(ndarray)``) or a 1-D array: the same requests as plain ints. A bool, a float array or a
+    multi-modal prompt is refused by name; vLLM's empty multi-modal keys are accepted."""
+    import numpy as np
+
+    from tidyrun import TextPrompt, TokensPrompt
+    from tidyrun.inputs import TextPrompt as TextPrompt2, TokensPrompt as TokensPrompt2
+
+    assert (TextPrompt, TokensPrompt) == (TextPrompt2, TokensPrompt2)
+    a, b = (np.array(p, dtype=np.int64) for p in PROMPTS)
+    prompts = [TokensPrompt(prompt_token_ids=list(a)), {"prompt_token_ids": torch.tensor(b), "multi_modal_data": None}]
+    assert [list(o.outputs[0].token_ids) for o in neutral.generate(prompts, GREEDY, use_tqdm=False)] == reference
+    assert [list(o.outputs[0].token_ids) for o in neutral.generate([list(a), b.tolist()], GREEDY, use_tqdm=False)] \
+        == reference
+    [one] = neutral.generate(list(a), GREEDY, use_tqdm=False)  # one prompt of NumPy ints, not a list of prompts
+    assert one.prompt_token_ids == PROMPTS[0] and all(type(t) is int for t in one.prompt_token_ids)
+    text = neutral.generate(TextPrompt(prompt="Hello"), GREEDY, use_tqdm=False)[0]
+    assert text.prompt == "Hello"
+    bad = [({"prompt_token_ids": [5, np.bool_(True)]}, "token ids must be ints"),
+           ({"prompt_token_ids": np.array([1.5, 2.0])}, "token ids must be ints"),
+           ({"prompt_token_ids": np.zeros((2, 2), dtype=np.int64)}, "must be a list of int, got ndarray"),
+           ({"prompt": "Hi", "multi_modal_data": {"image": "x.png"}}, r"text-only models\); got \['multi_modal_data'\]")]
+    for prompt, match in bad:
+        with pytest.raises(InvalidRequestError, match=match):
+            neutral.generate(prompt, GREEDY, use_tqdm=False)
+    assert not neutral.has_unfinished_requests()
+
+
+def test_outputs_and_generate_keywords_as_in_vllm(neutral):
+    """``CompletionOutput.finished()`` is a method (``RequestOutput.finished`` is not); ``priority`` None or all
+    0 (first come, first served), anything else refused."""
+    [out] = neutral.generate(PROMPTS[0], GREEDY, use_tqdm=False, priority=[0])
+    assert out.finished is True and out.outputs[0].finished() is True
+    with pytest.raises(InvalidRequestError, match=r"priority=\[0, 3\] is not supported"):
+        neutral.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[0, 3])
+    assert not neutral.has_unfinished_requests()
+
+
+def test_llm_engine_answers_what_callers_read_from_vllms_engine(neutral):
+    """lm-evaluation-harness, OpenRLHF and TRL read these off ``llm.llm_engine``; nothing else is handed out."""
+    engine = neutral.llm_engine
+    mc = engine.model_config
+    assert (mc.max_model_len, mc.dtype, mc.get_vocab_size()) == (128, torch.float32, neutral.runner.model_config.vocab_size)
+    assert mc.get_diff_sampling_param() == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1,
+                                            "max_tokens": 5}
+    assert engine.cache_config.block_size == 16 and engine.vllm_config.model_config.max_model_len == 128
+    assert engine.vllm_config.parallel_config.tensor_parallel_size == 1
+    assert engine.vllm_config.scheduler_config.max_num_seqs == 4
+    assert engine.reset_prefix_cache() is True and engine.get_tokenizer() is neutral.get_tokenizer()
+    with pytest.raises(AttributeError, match="has no 'named_parameters'.*not handed out"):
+        engine.model_executor.driver_worker.model_runner.model.named_parameters()
+
+
+def test_generation_config_vllm_leaves_the_models_defaults_out(hf_home, monkeypatch):
+    monkeypatch.setenv("HF_HOME", hf_home)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    llm = LLM("org/tiny", device="cpu", max_model_len=64, kv_cache_memory=1 << 20, generation_config="vllm",
+              enforce_eager=None)
+    try:
+        assert llm.get_default_sampling_params() == SamplingParams()
+        assert llm.llm_engine.model_config.get_diff_sampling_param() == {}
+        assert llm.config.enforce_eager is False  # None: vLLM's "pick for me"
+    finally:
+        llm.shutdown()
 
 
 def test_lora_requests_are_refused(neutral):

@@ -4,11 +4,13 @@ from .engine import LLM
 from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
                      PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError, WeightsNotLoadedError,
                      WorkerDiedError, WorkerError)
+from .inputs import TextPrompt, TokensPrompt
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = (
-    "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "TidyrunError", "ModelLoadError",
+    "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+    "TextPrompt", "TokensPrompt", "TidyrunError", "ModelLoadError",
     "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
     "EngineShutdownError", "EngineSleepingError", "WeightsNotLoadedError", "ResourceLeakError", "WorkerError",
     "WorkerDiedError")

@@ -229,6 +229,9 @@ class EngineConfig:
     # A Hugging Face tokenizer (folder or cached id, at ``tokenizer_revision``) instead of the model's own.
     tokenizer: str | None = None
     tokenizer_revision: str | None = None
+    # vLLM's ``generation_config``: "auto" takes the model's generation_config.json sampling defaults
+    # (``LLM.get_default_sampling_params``), "vllm" leaves them out (SamplingParams' own defaults).
+    generation_config: str = "auto"
 
     def overlaps_steps(self, device: torch.device) -> bool:
         """Whether steps are launched one ahead (pipeline.py): ``async_scheduling``, or where it is None, on a CUDA
@@ -248,6 +251,9 @@ class EngineConfig:
         if self.tokenizer_revision is not None and self.tokenizer is None:
             raise InvalidRequestError("tokenizer_revision needs a tokenizer (a Hugging Face id) to apply to")
 
+        if self.generation_config not in ("auto", "vllm"):
+            raise InvalidRequestError(f"generation_config must be 'auto' (the model's generation_config.json) or "
+                                      f"'vllm' (SamplingParams' defaults), got {self.generation_config!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise InvalidRequestError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:

@@ -160,6 +160,12 @@ def _check_no_lora(lora_request) -> None:
                                   "pass None (or merge the adapter into the weights and load_weights() them)")
 
 
+def _check_no_priority(priority) -> None:
+    if priority is not None and any(p != 0 for p in priority):
+        raise InvalidRequestError(f"priority={priority!r} is not supported: tidyrun schedules requests first come, "
+                                  "first served (vLLM's default policy, which also refuses priorities); pass None")
+
+
 class LLM:
     """Generate text from a Llama-family model in this process; vLLM's ``vllm.LLM``, keyword for keyword.
 
@@ -237,7 +243,7 @@ class LLM:
                  max_num_batched_tokens: int | None = 8192, block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9, seed: int | None = 0,
                  keep_host_buffers: bool = True, enable_prefix_caching: bool | None = True,
-                 speculative: dict | SpeculativeConfig | None = None, enforce_eager: bool = False,
+                 speculative: dict | SpeculativeConfig | None = None, enforce_eager: bool | None = False,
                  cuda_graph_sizes: list[int] | None = None, kernels: str | None = None,
                  batch_invariant: bool | None = None, async_scheduling: bool | None = None,
                  tensor_parallel_size: int = 1,
@@ -253,6 +259,9 @@ class LLM:
                  skip_tokenizer_init: bool = False, tokenizer_mode: str = "auto",
                  enable_chunked_prefill: bool | None = None, hf_overrides: dict | None = None,
                  kv_cache_dtype: str = "auto", limit_mm_per_prompt: dict | None = None,
+                 enable_lora: bool = False, max_lora_rank: int = 16, max_loras: int = 1, task: str = "auto",
+                 runner: str = "auto", worker_cls: str = "auto", worker_extension_cls: str = "",
+                 generation_config: str = "auto",
                  config: EngineConfig | None = None, process_group=None) -> None:
         # The keyword options, taken before any other local exists: every one, however many are added.
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "config", "process_group")}
@@ -276,7 +285,8 @@ class LLM:
         try:
             self.source = open_engine_source(config)
             self.tokenizer = open_engine_tokenizer(config, self.source)
-            sampling_defaults = MappingProxyType(generation_defaults(self.source.path))  # checked before the runner
+            sampling_defaults = MappingProxyType(  # checked before the runner
+                generation_defaults(self.source.path) if config.generation_config == "auto" else {})
             if rank is not None:
                 self.runner = LaunchedRankRunner(self.source, rank, self.tokenizer.eos_token_ids)
             else:
@@ -613,12 +623,14 @@ class LLM:
     @_drops_frames_on_error
     def generate(self, prompts: PromptType | Iterable[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate completions for one prompt or a list; outputs come back in prompt order.
 
-        ``sampling_params`` None: ``get_default_sampling_params()``. ``lora_request`` must be None (no LoRA).
+        ``sampling_params`` None: ``get_default_sampling_params()``. ``lora_request`` must be None (no LoRA);
+        ``priority`` None or all 0 (requests run first come, first served, as in vLLM's default scheduler).
         """
         _check_no_lora(lora_request)
+        _check_no_priority(priority)
         self._check_alive()
         self.runner.check_awake()
         requests = self._intake.requests(prompts, sampling_params)  # all checked before any is queued
@@ -662,7 +674,7 @@ class LLM:
              use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with vLLM's arguments in vLLM's order.
 
         ``chat_template`` replaces the model's template (a jinja2 string);
@@ -670,10 +682,16 @@ class LLM:
         message for the model to continue; needs add_generation_prompt=False),
         ``tools`` and ``chat_template_kwargs`` (further template variables,
         e.g. ``enable_thinking``) go to the template as transformers takes
-        them. Message contents are strings ("auto" or "string" content
-        format). ``lora_request`` must be None (no LoRA).
+        them. A message's content is a string, None or a list of OpenAI text
+        parts; ``chat_template_content_format`` "auto" / "string" render it
+        as a string (parts joined by newlines), "openai" as the list of parts.
+        ``lora_request`` must be None (no LoRA); ``mm_processor_kwargs`` None
+        or {} (text-only models).
         """
         _check_no_lora(lora_request)
+        if mm_processor_kwargs:
+            raise InvalidRequestError(f"mm_processor_kwargs={mm_processor_kwargs!r} is not supported: tidyrun runs "
+                                      "text-only models; pass None")
         self._check_alive()
         prompts = self._intake.conversations(
             messages, add_generation_prompt, continue_final_message=continue_final_message,

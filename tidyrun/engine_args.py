@@ -38,6 +38,10 @@ def _bool(v) -> bool:
     return isinstance(v, bool)
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def _empty(v) -> bool:
     return v is None or (isinstance(v, dict) and not v)
 
@@ -69,6 +73,19 @@ NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
     "hf_overrides": _Accepted(_empty, "None or {}", "tidyrun reads the model's config.json as it is"),
     "kv_cache_dtype": _Accepted(lambda v: v == "auto", "'auto'", "the KV cache is kept in the model's dtype"),
     "limit_mm_per_prompt": _Accepted(_empty, "None or {}", "tidyrun runs text-only models"),
+    # lm-evaluation-harness always passes enable_lora=False with max_lora_rank; without LoRA the sizes mean nothing
+    "enable_lora": _Accepted(lambda v: v is False or v is None, "False", "tidyrun serves no LoRA adapters"),
+    "max_lora_rank": _Accepted(_positive_int, "an int >= 1", "tidyrun serves no LoRA adapters (enable_lora=False)"),
+    "max_loras": _Accepted(_positive_int, "an int >= 1", "tidyrun serves no LoRA adapters (enable_lora=False)"),
+    "task": _Accepted(lambda v: v in ("auto", "generate"), "'auto' or 'generate'",
+                      "every tidyrun engine generates, and also embeds and scores (llm.embed, llm.score) without a "
+                      "task of its own"),
+    "runner": _Accepted(lambda v: v in ("auto", "generate"), "'auto' or 'generate'",
+                        "every tidyrun engine generates, and also embeds and scores (llm.embed, llm.score)"),
+    "worker_cls": _Accepted(lambda v: v == "auto", "'auto'", "tidyrun runs no vLLM workers"),
+    "worker_extension_cls": _Accepted(lambda v: v in ("", None), "''",
+                                      "tidyrun runs no vLLM workers to extend; pass a function to "
+                                      "llm.collective_rpc, which calls it with each rank's runner"),
 })
 
 # Every keyword check_no_effect_options checks (and that LLM(config=...) therefore does not count as a conflict).
@@ -158,7 +175,7 @@ def engine_config(model: str | None, options: Mapping[str, Any]) -> EngineConfig
         max_num_seqs=given("max_num_seqs"), max_num_batched_tokens=given("max_num_batched_tokens"),
         seed=given("seed"), enable_prefix_caching=given("enable_prefix_caching"),
         speculative=SpeculativeConfig.from_value(_alias(options, "speculative", "speculative_config")),
-        enforce_eager=options["enforce_eager"], cuda_graph_sizes=_cuda_graph_sizes(options),
+        enforce_eager=given("enforce_eager"), cuda_graph_sizes=_cuda_graph_sizes(options),
         kernels=options["kernels"], batch_invariant=_batch_invariant(options["batch_invariant"]),
         async_scheduling=given("async_scheduling"),
         tensor_parallel_size=options["tensor_parallel_size"],
@@ -170,4 +187,5 @@ def engine_config(model: str | None, options: Mapping[str, Any]) -> EngineConfig
         max_logprobs=options["max_logprobs"], logprobs_mode=options["logprobs_mode"],
         revision=options["revision"], download_dir=options["download_dir"], load_format=_load_format(options),
         tokenizer=tokenizer, tokenizer_revision=tokenizer_revision,
+        generation_config=options["generation_config"],
     )

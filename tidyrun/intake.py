@@ -9,6 +9,7 @@ queued.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -19,6 +20,8 @@ from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+_EMPTY_OK = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"})  # vLLM's, when empty
 
 
 class Prompt(NamedTuple):
@@ -31,8 +34,29 @@ class Prompt(NamedTuple):
 def _is_single(prompts) -> bool:
     """One prompt rather than a list of them: a text, a dict, or a list of token ids."""
     return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
-                                                 and isinstance(prompts[0], int))
+                                                 and hasattr(type(prompts[0]), "__index__"))  # int, numpy.int64
 
+
+def token_id_list(ids, what: str) -> list[int]:
+    """Token ids as a list of Python ints. NumPy and torch integers (a 1-D array, or a list of its items: verl
+    passes ``list(ndarray)``) become ints, as vLLM takes them; what is not an integer is left for
+    ``check_token_ids`` to refuse by name. Anything but a list, tuple or 1-D array is refused here."""
+    if not isinstance(ids, (list, tuple)):
+        if getattr(ids, "ndim", None) == 1 and hasattr(ids, "tolist"):  # numpy array, torch tensor
+            return ids.tolist()
+        raise InvalidRequestError(f"{what} must be a list of int, got {type(ids).__name__}")
+    if all(type(t) is int for t in ids):  # the common case, without a call per token
+        return list(ids)
+    return [_as_int(t) for t in ids]
+
+
+def _as_int(t):
+    if isinstance(t, bool) or type(t).__name__ == "bool_":
+        return t  # refused by check_token_ids: a bool is no token id
+    try:
+        return operator.index(t)  # numpy.int64, torch.int64 scalars, ...
+    except TypeError:
+        return t
 
 @dataclass(frozen=True)
 class RequestIntake:
@@ -54,16 +78,17 @@ class RequestIntake:
         if isinstance(prompt, str):
             return Prompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
+            unknown = [k for k, v in prompt.items() if k not in _PROMPT_KEYS and not (k in _EMPTY_OK and not v)]
+            if unknown:
+                raise InvalidRequestError(f"a prompt dict takes 'prompt' and 'prompt_token_ids' (tidyrun runs "
+                                          f"text-only models); got {sorted(map(str, unknown))}")
             if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)):
-                    raise InvalidRequestError(f"'prompt_token_ids' must be a list of int, got {type(ids).__name__}")
-                return Prompt(prompt.get("prompt"), list(ids))
+                return Prompt(prompt.get("prompt"), token_id_list(prompt["prompt_token_ids"], "'prompt_token_ids'"))
             if isinstance(prompt.get("prompt"), str):
                 return Prompt(prompt["prompt"], self.tokenizer.encode(prompt["prompt"]))
             raise InvalidRequestError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
         if isinstance(prompt, list):
-            return Prompt(None, list(prompt))
+            return Prompt(None, token_id_list(prompt, "a token-id prompt"))
         raise InvalidRequestError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def check_token_ids(self, ids: list[int], what: str) -> None:
@@ -136,11 +161,13 @@ class RequestIntake:
                       tools: list[dict] | None = None, template_kwargs: dict | None = None,
                       content_format: str = "auto") -> list[dict]:
         """Prompts (``{"prompt_token_ids": ...}``) of one conversation or a list of them, through the chat template
-        (the keyword arguments: see ``Tokenizer.apply_chat_template``). Contents are strings: vLLM's
-        ``chat_template_content_format`` "auto" or "string"."""
-        if content_format not in ("auto", "string"):
-            raise InvalidRequestError(f"chat_template_content_format={content_format!r} is not supported: message "
-                                      "contents are strings; pass 'auto' or 'string'")
+        (the keyword arguments: see ``Tokenizer.apply_chat_template``). A message's content is a string, None, or
+        a list of OpenAI text parts (``{"type": "text", "text": ...}``); ``content_format`` is vLLM's
+        ``chat_template_content_format``: "auto" / "string" give the template a string (text parts joined by
+        newlines, None as ""), "openai" a list of text parts."""
+        if content_format not in ("auto", "string", "openai"):
+            raise InvalidRequestError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                                      f"{content_format!r}")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts "
                                       "(or a list of such conversations)")
@@ -149,6 +176,8 @@ class RequestIntake:
         if tools is not None and not isinstance(tools, list):
             raise InvalidRequestError(f"tools must be a list of tool descriptions, got {type(tools).__name__}")
         conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = [[_with_content(m, content_format) for m in c] if isinstance(c, list) else c
+                         for c in conversations]
         return [{"prompt_token_ids": self.tokenizer.apply_chat_template(
                     c, add_generation_prompt, continue_final_message=continue_final_message,
                     chat_template=chat_template, tools=tools, template_kwargs=template_kwargs)}
@@ -169,3 +198,30 @@ class RequestIntake:
                                          f"{self.max_model_len} (max_model_len)")
             token_lists.append(ids)
         return token_lists
+
+
+def _with_content(message, content_format: str):
+    """``message`` with its content as the template gets it (``RequestIntake.conversations``); a message that is
+    not a dict, or a content of another type, is left for the tokenizer to refuse."""
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if content is None:
+        parts = []
+    elif isinstance(content, str):
+        if content_format != "openai":
+            return message
+        parts = [content]
+    elif isinstance(content, list):
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    f"a message content part must be {{'type': 'text', 'text': str}} (tidyrun runs text-only "
+                    f"models), got {part!r}"[:300])
+            parts.append(part["text"])
+    else:
+        return message
+    text = [{"type": "text", "text": p} for p in parts] if content_format == "openai" else "\n".join(parts)
+    return {**message, "content": text}

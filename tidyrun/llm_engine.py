@@ -1,24 +1,31 @@
-"""``llm.llm_engine...model.load_weights(...)``: the path TRL and verl take to push weights into vLLM's model.
+"""``llm.llm_engine``: the parts of vLLM's ``LLMEngine`` that callers of ``vllm.LLM`` reach for.
 
 TRL's GRPO colocate mode syncs the trainer's weights with
 ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)])``,
-verl with ``...driver_worker.worker.model_runner.model.load_weights(weights)``.
-Those are vLLM's internals. tidyrun's own (the runner, the model) are not
-handed out: whoever kept one would keep device memory alive past
-``shutdown()``. Instead ``llm.llm_engine`` is this one small read-only
-object, standing for every step of that path, whose only method is
-``load_weights`` = ``LLM.load_weights``. It refers to the engine weakly,
-so keeping it keeps nothing alive.
+verl with ``...driver_worker.worker.model_runner.model.load_weights(weights)``;
+OpenRLHF calls ``llm.llm_engine.reset_prefix_cache()``; lm-evaluation-harness
+and many scripts read ``llm.llm_engine.model_config.max_model_len`` (and
+``.dtype``), some ``cache_config.block_size`` or
+``vllm_config.parallel_config.tensor_parallel_size``. Those are vLLM's
+internals. tidyrun's own (the runner, the model, its tensors) are not handed
+out: whoever kept one would keep device memory alive past ``shutdown()``.
+Instead ``llm.llm_engine`` is this small read-only object: ``load_weights``
+(= ``LLM.load_weights``) at the end of every step of that path,
+``reset_prefix_cache``, ``get_tokenizer``, and plain-value copies of the
+configuration. It refers to the engine weakly, so keeping it keeps nothing
+alive; anything else it is asked for is an AttributeError saying what it has.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 import torch
 
 from .errors import EngineShutdownError
+from .sampling_params import SamplingParams
 
 
 class WeightSyncPath:
@@ -35,12 +42,16 @@ class WeightSyncPath:
 
     driver_worker = worker = model_runner = model = model_executor
 
+    def _engine(self):
+        llm = self._llm()
+        if llm is None or llm.is_shut_down:
+            raise EngineShutdownError("the LLM this llm_engine belonged to is gone or shut down; create a new one")
+        return llm
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """``LLM.load_weights(weights)``; returns the names given, as vLLM's ``model.load_weights`` returns the
         names it loaded (verl logs how many)."""
-        llm = self._llm()
-        if llm is None:
-            raise EngineShutdownError("the LLM this llm_engine belonged to is gone; create a new one")
+        llm = self._engine()
         names: set[str] = set()
 
         def recorded():  # tensors pass one at a time, as the caller's iterable yields them
@@ -51,3 +62,56 @@ class WeightSyncPath:
 
         llm.load_weights(recorded())
         return names
+
+    def reset_prefix_cache(self) -> bool:
+        """``LLM.reset_prefix_cache()``."""
+        return self._engine().reset_prefix_cache()
+
+    def get_tokenizer(self):
+        """``LLM.get_tokenizer()``."""
+        return self._engine().get_tokenizer()
+
+    @property
+    def tokenizer(self):
+        return self.get_tokenizer()
+
+    @property
+    def model_config(self) -> SimpleNamespace:
+        """A copy of vLLM's ``ModelConfig`` fields callers read: ``model``, ``max_model_len``, ``dtype``,
+        ``seed``, ``max_logprobs``, ``logprobs_mode``, ``get_vocab_size()`` and
+        ``get_diff_sampling_param()`` (the model's generation_config.json defaults)."""
+        llm = self._engine()
+        config, model = llm.config, llm.runner.model_config
+        plain, defaults = vars(SamplingParams()), vars(llm.get_default_sampling_params())
+        diff = {k: v for k, v in defaults.items() if not k.startswith("_") and plain.get(k) != v}
+        return SimpleNamespace(
+            model=config.model, tokenizer=config.tokenizer or config.model, max_model_len=llm.max_model_len,
+            dtype=llm.dtype, seed=config.seed,
+            max_logprobs=config.max_logprobs, logprobs_mode=config.logprobs_mode,
+            get_vocab_size=lambda: model.vocab_size, get_diff_sampling_param=lambda: dict(diff))
+
+    @property
+    def cache_config(self) -> SimpleNamespace:
+        """``block_size`` and ``enable_prefix_caching``, as vLLM's ``CacheConfig`` names them."""
+        config = self._engine().config
+        return SimpleNamespace(block_size=config.cache.block_size, enable_prefix_caching=config.enable_prefix_caching)
+
+    @property
+    def vllm_config(self) -> SimpleNamespace:
+        """``model_config``, ``cache_config``, ``parallel_config`` (``tensor_parallel_size``, ``world_size``) and
+        ``scheduler_config`` (``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``)."""
+        llm = self._engine()
+        config, tp = llm.config, llm.config.tensor_parallel_size
+        return SimpleNamespace(
+            model_config=self.model_config, cache_config=self.cache_config,
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, world_size=tp),
+            scheduler_config=SimpleNamespace(max_num_seqs=config.max_num_seqs,
+                                             max_num_batched_tokens=config.max_num_batched_tokens,
+                                             max_model_len=llm.max_model_len))
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"llm.llm_engine has no {name!r}: tidyrun stands in for vLLM's engine with load_weights (at the end of "
+            "model_executor.driver_worker.model_runner.model), reset_prefix_cache, get_tokenizer, model_config, "
+            "cache_config and vllm_config only; the LLM's own methods do the rest (the model and its tensors are "
+            "not handed out: they would outlive shutdown)")

@@ -17,8 +17,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
-    @property
     def finished(self) -> bool:
+        """A method, as in vLLM (``RequestOutput.finished`` is not)."""
         return self.finish_reason is not None
 
 
@@ -33,4 +33,4 @@ class RequestOutput:
 
     @property
     def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)
+        return all(o.finished() for o in self.outputs)

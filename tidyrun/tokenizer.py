@@ -78,10 +78,11 @@ class Tokenizer:
             raise InvalidRequestError(f"chat_template must be a jinja2 template string, got "
                                       f"{type(chat_template).__name__}")
         if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
             for m in messages
         ):
-            raise InvalidRequestError("messages must be a list of {'role': str, 'content': str} dicts")
+            raise InvalidRequestError("messages must be a list of {'role': str, 'content': str (or a list of text "
+                                      "parts)} dicts")
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message=True needs add_generation_prompt=False "
                                       "(the reply continues the last message instead of starting a new one)")

@@ -313,7 +313,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
                     delta = choices.delta(out, c)
                     if delta is not None:
                         yield sse(envelope([delta]))
-                    if c.finished:
+                    if c.finished():
                         done.add(c.index)
         finally:
             sub.close()

@@ -49,8 +49,8 @@ class _Choices:
         """What a choice has to send now (state, new text, new token ids, their logprobs), or None."""
         sent = self._sent.setdefault(c.index, _Sent())
         text, ids, steps = self.generated(c)
-        visible = streamable_length(text, self.stop, c.finished)
-        if visible <= sent.chars and not c.finished and (sent.started or not self._opens(c)):
+        visible = streamable_length(text, self.stop, c.finished())
+        if visible <= sent.chars and not c.finished() and (sent.started or not self._opens(c)):
             return None
         piece = text[sent.chars:visible]
         new_steps = None if steps is None else steps[sent.tokens:]
