@@ -441,6 +441,23 @@ def test_collective_rpc(dummy, neutral, reference):
         dummy.collective_rpc("load_weights", timeout=5.0, kwargs={"weights": []})
 
 
+def test_a_collective_rpc_function_loads_weights_one_at_a_time_as_in_vllm(tiny_llama_dir):
+    """``runner.model.load_weights([(name, tensor)])`` inside a function loads that one tensor (vLLM's
+    ``model.load_weights`` takes any subset: TRL's weight-sync extension pushes one parameter per call); it
+    was refused as a checkpoint missing every other weight."""
+    llm = LLM(tiny_llama_dir, device="cpu", max_model_len=64, kv_cache_memory=1 << 20)
+    try:
+        before = greedy(llm)
+        name, tensor = next(n_t for n_t in llm.source.iter_weights() if n_t[0] == "model.norm.weight")
+        push = lambda runner, value: runner.model.load_weights([(name, value)])  # noqa: E731
+        assert llm.collective_rpc(push, args=(torch.zeros_like(tensor),)) == [{name}]
+        assert llm.reset_prefix_cache() and greedy(llm) != before
+        assert llm.collective_rpc(push, args=(tensor,)) == [{name}]
+        assert llm.reset_prefix_cache() and greedy(llm) == before
+    finally:
+        llm.shutdown()
+
+
 def test_collective_rpc_reload_weights(dummy, neutral, reference):
     neutral.load_weights((n, torch.zeros_like(t)) for n, t in neutral.source.iter_weights()
                          if n.endswith("o_proj.weight"))

@@ -379,12 +379,14 @@ class LlamaForCausalLM(nn.Module):
             self._check_complete(shards, names)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = True,
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_all: bool = False,
                      full_only: bool = True) -> set[str]:
         """Copy HF-named tensors (this rank's slice of each) into the (fused) parameters; returns the names loaded.
 
         Unknown names, shape mismatches and (with ``require_all``) missing names
-        raise ModelLoadError naming the tensor. A checkpoint's tensors must
+        raise ModelLoadError naming the tensor. Without ``require_all`` any subset
+        loads, as vLLM's ``model.load_weights`` does (a ``collective_rpc`` function
+        pushing one tensor at a time). A checkpoint's tensors must
         have their full shapes; ``full_only=False`` also takes a rank's slice. Parameters must be placed
         (materialized) first.
         """

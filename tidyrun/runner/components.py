@@ -72,7 +72,7 @@ class Weights(Component):
 
     def _fill(self, weights, full_only: bool = True) -> None:
         """Load every weight (a missing one raises ModelLoadError); only then is none missing."""
-        self.loaded = len(self.model.load_weights(weights, full_only=full_only))
+        self.loaded = len(self.model.load_weights(weights, require_all=True, full_only=full_only))
         self.missing = frozenset()
 
     def load(self, weights, require_all: bool = False) -> int:
