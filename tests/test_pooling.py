@@ -8,9 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidyrun import LLM, InvalidRequestError, PromptTooLongError, SamplingParams
+from tidyrun import LLM, InvalidRequestError, PoolingParams, PromptTooLongError, SamplingParams
 
 TEXTS = ["The capital of France is Paris.", "A journey of a thousand miles begins with a single step.", "hi"]
+
+
+def vectors(outputs) -> torch.Tensor:
+    return torch.tensor([o.outputs.embedding for o in outputs])
 
 
 def hf_pooled(model, ids: list[int], pooling: str) -> torch.Tensor:
@@ -31,27 +35,42 @@ def hf_default(default_model):
 def test_default_model_embeddings_match_transformers(llm, hf_default, pooling):
     pool = llm.scheduler.pool
     free_before = pool.num_free
-    ours = llm.embed(TEXTS, pooling=pooling, normalize=False)
+    outputs = llm.embed(TEXTS, pooling=pooling, normalize=False)
     assert pool.num_free == free_before  # KV-free: no block taken
-    assert ours.shape == (3, 576) and ours.dtype == torch.float32
+    ours = vectors(outputs)
+    assert ours.shape == (3, 576) and outputs[0].outputs.hidden_size == 576
+    assert [o.prompt_token_ids for o in outputs] == [llm.tokenizer.encode(t) for t in TEXTS]
+    assert len({o.request_id for o in outputs}) == 3 and all(o.finished for o in outputs)
     for row, text in zip(ours, TEXTS):
         ref = hf_pooled(hf_default, llm.tokenizer.encode(text), pooling)
         assert F.cosine_similarity(row, ref, dim=0).item() > 0.999
 
 
 def test_normalized_embeddings_and_score(llm):
-    e = llm.embed(TEXTS)
+    """vLLM's shapes: ``embed`` -> EmbeddingRequestOutput (``.outputs.embedding``), ``score`` ->
+    ScoringRequestOutput (``.outputs.score``), one against many (1:N) or two lists pair by pair (N:N)."""
+    e = vectors(llm.embed(TEXTS))
     assert torch.allclose(e.norm(dim=-1), torch.ones(3), atol=1e-5)
-    scores = llm.score(TEXTS[0], [TEXTS[0], TEXTS[1]])
-    assert scores[0].item() == pytest.approx(1.0, abs=1e-5) and scores[1].item() < 0.999
-    assert torch.allclose(llm.embed([TEXTS[2]]), llm.embed(TEXTS)[2:], atol=1e-5)  # batch-independent
+    assert torch.allclose(vectors(llm.embed(TEXTS, pooling_params=PoolingParams(normalize=True))), e)
+    raw = vectors(llm.embed(TEXTS, pooling_params=PoolingParams(normalize=False)))
+    assert torch.allclose(F.normalize(raw, dim=-1), e, atol=1e-5)
+    scores = [o.outputs.score for o in llm.score(TEXTS[0], [TEXTS[0], TEXTS[1]])]
+    assert scores[0] == pytest.approx(1.0, abs=1e-5) and scores[1] < 0.999
+    assert scores[1] == pytest.approx((e[0] @ e[1]).item(), abs=1e-5)
+    pairwise = llm.score([TEXTS[0], TEXTS[1]], [TEXTS[1], TEXTS[1]])
+    assert [o.outputs.score for o in pairwise] == pytest.approx([(e[0] @ e[1]).item(), 1.0], abs=1e-5)
+    assert pairwise[0].prompt_token_ids == llm.tokenizer.encode(TEXTS[0]) + llm.tokenizer.encode(TEXTS[1])
+    assert torch.allclose(vectors(llm.embed([TEXTS[2]])), e[2:], atol=1e-5)  # batch-independent
+    last = llm.tokenizer.encode(TEXTS[1])[-3:]
+    [cut] = llm.embed(TEXTS[1], truncate_prompt_tokens=3)
+    assert cut.prompt_token_ids == last and torch.allclose(vectors([cut]), vectors(llm.embed([last])), atol=1e-5)
 
 
 def test_embedding_batches_are_split_by_token_budget(tiny_llama_dir):
     with LLM(tiny_llama_dir, device="cpu", max_num_batched_tokens=8, max_model_len=64) as small:
         ids = [list(range(5, 5 + n)) for n in (3, 7, 12, 2)]  # 12 > budget: a group of its own
-        together = small.embed(ids)
-        alone = torch.cat([small.embed([x]) for x in ids])
+        together = vectors(small.embed(ids))
+        alone = torch.cat([vectors(small.embed([x])) for x in ids])
         assert torch.allclose(together, alone, atol=1e-5)
 
 
@@ -64,6 +83,16 @@ def test_embed_bad_input(llm):
         llm.embed([[5] * 2000])
     with pytest.raises(InvalidRequestError):
         llm.embed([])
+    with pytest.raises(InvalidRequestError, match="pairs two lists item by item, but got 2 and 3"):
+        llm.score(TEXTS[:2], TEXTS)
+    with pytest.raises(InvalidRequestError, match="disagree"):
+        llm.embed(TEXTS, normalize=False, pooling_params=PoolingParams(normalize=True))
+    with pytest.raises(InvalidRequestError, match="Matryoshka"):
+        llm.embed(TEXTS, pooling_params=PoolingParams(dimensions=64))
+    with pytest.raises(InvalidRequestError, match="normalize must be True or None"):
+        llm.score(TEXTS[0], TEXTS, pooling_params=PoolingParams(normalize=False))
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens must be"):
+        llm.embed(TEXTS, truncate_prompt_tokens=0)
     assert llm.generate(["still fine"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 

@@ -128,8 +128,8 @@ REFUSED = [
     ("max_logprobs", -2, "max_logprobs must be"),
     ("enable_lora", True, "no LoRA adapters"),
     ("max_lora_rank", 0, "an int >= 1"),
-    ("task", "embed", "llm.embed"),
-    ("runner", "pooling", "llm.embed"),
+    ("task", "classify", "no classification"),
+    ("runner", "draft", "no classification"),
     ("worker_extension_cls", "trl.scripts.vllm_serve.WeightSyncWorkerExtension", "collective_rpc"),
     ("generation_config", "/some/folder", "'auto'.*'vllm'"),
 ]

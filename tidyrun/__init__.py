@@ -5,12 +5,15 @@ from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestErr
                      PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError, WeightsNotLoadedError,
                      WorkerDiedError, WorkerError)
 from .inputs import TextPrompt, TokensPrompt
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                      ScoringRequestOutput)
+from .pooling_params import PoolingParams
 from .sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = (
     "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-    "TextPrompt", "TokensPrompt", "TidyrunError", "ModelLoadError",
+    "TextPrompt", "TokensPrompt", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
+    "ScoringRequestOutput", "TidyrunError", "ModelLoadError",
     "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
     "EngineShutdownError", "EngineSleepingError", "WeightsNotLoadedError", "ResourceLeakError", "WorkerError",
     "WorkerDiedError")

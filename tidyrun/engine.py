@@ -29,13 +29,15 @@ from .distributed.driver import TPDriverRunner
 from .distributed.external import LaunchedRankRunner, join_launch
 from .engine_args import CHECKED_APART, check_no_effect_options, engine_config
 from .errors import EngineShutdownError, InvalidRequestError
-from .intake import Prompt, PromptType, RequestIntake
+from .intake import Prompt, PromptType, RequestIntake, pooling_normalize, score_pairs
 from .kv_cache import BlockPool
 from .llm_engine import WeightSyncPath
 from .loader import generation_defaults, open_engine_source, open_engine_tokenizer
 from .logprobs import prompt_logprobs, sample_logprobs
 from .metrics_reader import Metric, metrics_from_stats
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import (CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput, embedding_outputs,
+                      scoring_outputs)
+from .pooling_params import PoolingParams
 from .pipeline import StepPipeline
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
@@ -726,22 +728,41 @@ class LLM:
             self._pending_outputs = [o for o in others + self._pending_outputs if o.request_id != request_id]
 
     @_drops_frames_on_error
-    def embed(self, texts: PromptType | list[PromptType], pooling: str = "last", normalize: bool = True):
-        """Embeddings [N, hidden] (float32, CPU) of texts (or token id lists) from the final hidden states.
+    def embed(self, prompts: PromptType | list[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None, lora_request=None,
+              pooling: str = "last", normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``embed``: one EmbeddingRequestOutput per input (``.outputs.embedding``, a list of floats) from
+        the final hidden states, through a KV-free path (no KV block is used).
 
-        ``pooling``: "last" token (the usual choice for decoder models), "mean"
-        over tokens, or "cls" (first token). Runs KV-free: no KV block is used.
+        tidyrun's keywords: ``pooling`` "last" token (the usual choice for
+        decoder models), "mean" over tokens, or "cls" (first token);
+        ``normalize`` (or ``pooling_params.normalize``; default True).
+        ``use_tqdm`` is accepted and shows nothing (one batched pass).
         """
+        _check_no_lora(lora_request)
         self._check_alive()
         self.runner.check_awake()
-        token_lists = self._intake.embed_inputs(texts)
-        return self.runner.embed(token_lists, pooling, normalize, self.config.max_num_batched_tokens)
+        unit = pooling_normalize(pooling_params, normalize)
+        token_lists = self._intake.embed_inputs(prompts, truncate_prompt_tokens)
+        vectors = self.runner.embed(token_lists, pooling, unit, self.config.max_num_batched_tokens)
+        return embedding_outputs(f"embd-{next(self._seq_counter)}", token_lists, vectors)
 
-    def score(self, text: PromptType, others: PromptType | list[PromptType], pooling: str = "last"):
-        """Cosine similarity [len(others)] between the embedding of ``text`` and each of ``others``."""
-        others = [others] if isinstance(others, (str, dict)) else list(others)
-        vectors = self.embed([text, *others], pooling=pooling, normalize=True)
-        return vectors[1:] @ vectors[0]
+    def score(self, data_1: PromptType | list[PromptType], data_2: PromptType | list[PromptType], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request=None,
+              pooling: str = "last") -> list[ScoringRequestOutput]:
+        """vLLM's ``score`` for an embedding model: the cosine similarity of each pair (``.outputs.score``),
+        ``data_1`` against each of ``data_2`` (1:N) or two lists of one length item by item (N:N)."""
+        _check_no_lora(lora_request)
+        self._check_alive()
+        self.runner.check_awake()
+        if not pooling_normalize(pooling_params, None):
+            raise InvalidRequestError("score() compares unit-length embeddings: pooling_params.normalize must be "
+                                      "True or None")
+        inputs, pairs = score_pairs(data_1, data_2)
+        token_lists = self._intake.embed_inputs(inputs, truncate_prompt_tokens)
+        vectors = self.runner.embed(token_lists, pooling, True, self.config.max_num_batched_tokens)
+        return scoring_outputs(f"score-{next(self._seq_counter)}", token_lists, vectors, pairs)
 
     @_drops_frames_on_error
     def compute_logits(self, prompt: PromptType):

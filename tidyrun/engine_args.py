@@ -77,11 +77,14 @@ NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
     "enable_lora": _Accepted(lambda v: v is False or v is None, "False", "tidyrun serves no LoRA adapters"),
     "max_lora_rank": _Accepted(_positive_int, "an int >= 1", "tidyrun serves no LoRA adapters (enable_lora=False)"),
     "max_loras": _Accepted(_positive_int, "an int >= 1", "tidyrun serves no LoRA adapters (enable_lora=False)"),
-    "task": _Accepted(lambda v: v in ("auto", "generate"), "'auto' or 'generate'",
-                      "every tidyrun engine generates, and also embeds and scores (llm.embed, llm.score) without a "
-                      "task of its own"),
-    "runner": _Accepted(lambda v: v in ("auto", "generate"), "'auto' or 'generate'",
-                        "every tidyrun engine generates, and also embeds and scores (llm.embed, llm.score)"),
+    # every tidyrun engine generates and also embeds (llm.embed, llm.score by cosine similarity): "embed" /
+    # "pooling" ask for nothing more; vLLM's classification and cross-encoder heads are not there
+    "task": _Accepted(lambda v: v in ("auto", "generate", "embed"), "'auto', 'generate' or 'embed'",
+                      "every tidyrun engine generates and embeds (llm.embed, llm.score); it has no classification "
+                      "or cross-encoder heads"),
+    "runner": _Accepted(lambda v: v in ("auto", "generate", "pooling"), "'auto', 'generate' or 'pooling'",
+                        "every tidyrun engine generates and embeds (llm.embed, llm.score); it has no classification "
+                        "or cross-encoder heads"),
     "worker_cls": _Accepted(lambda v: v == "auto", "'auto'", "tidyrun runs no vLLM workers"),
     "worker_extension_cls": _Accepted(lambda v: v in ("", None), "''",
                                       "tidyrun runs no vLLM workers to extend; pass a function to "

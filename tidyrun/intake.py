@@ -183,21 +183,61 @@ class RequestIntake:
                     chat_template=chat_template, tools=tools, template_kwargs=template_kwargs)}
                 for c in conversations]
 
-    def embed_inputs(self, texts: PromptType | list[PromptType]) -> list[list[int]]:
-        """Token ids of each input of ``embed()``: complete sequences, each at most ``max_model_len`` tokens."""
+    def embed_inputs(self, texts: PromptType | list[PromptType], truncate: int | None = None) -> list[list[int]]:
+        """Token ids of each input of ``embed()``: complete sequences, each at most ``max_model_len`` tokens
+        (``truncate``, vLLM's ``truncate_prompt_tokens``: only the last that many; -1: ``max_model_len``)."""
         if _is_single(texts):
             texts = [texts]
         if not isinstance(texts, (list, tuple)) or not texts:
             raise InvalidRequestError("embed() takes a text, a token id list, or a non-empty list of those")
+        if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool)
+                                     or not (truncate == -1 or truncate >= 1)):
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or an int >= 1, got {truncate!r}")
+        keep = None if truncate is None else (self.max_model_len if truncate == -1 else truncate)
         token_lists = []
         for t in texts:
             ids = self.tokenize(t).token_ids
             self.check_token_ids(ids, "input")
+            if keep is not None:
+                ids = ids[-keep:]
             if len(ids) > self.max_model_len:
                 raise PromptTooLongError(f"an input has {len(ids)} tokens; embed() takes at most "
                                          f"{self.max_model_len} (max_model_len)")
             token_lists.append(ids)
         return token_lists
+
+
+def score_pairs(data_1, data_2) -> tuple[list, list[tuple[int, int]]]:
+    """vLLM's ``score`` pairing: one input against each of a list (1:N), or two lists of one length pair by pair
+    (N:N). Returns the inputs in order and the pairs as (index, index) into them."""
+    first = [data_1] if _is_single(data_1) else data_1
+    second = [data_2] if _is_single(data_2) else data_2
+    if not isinstance(first, (list, tuple)) or not isinstance(second, (list, tuple)) or not first or not second:
+        raise InvalidRequestError("score() takes a text (or token id list) or a non-empty list of them on each side")
+    if len(first) == 1:
+        return [first[0], *second], [(0, 1 + j) for j in range(len(second))]
+    if len(first) != len(second):
+        raise InvalidRequestError(f"score() pairs two lists item by item, but got {len(first)} and {len(second)} "
+                                  "inputs; pass one input on the left to score it against each on the right")
+    n = len(first)
+    return [*first, *second], [(i, n + i) for i in range(n)]
+
+
+def pooling_normalize(pooling_params, normalize: bool | None) -> bool:
+    """Whether embeddings are scaled to unit length: vLLM's ``PoolingParams.normalize`` or tidyrun's
+    ``normalize`` keyword (they must agree when both are given); True when neither says."""
+    from .pooling_params import PoolingParams
+
+    if pooling_params is not None:
+        if not isinstance(pooling_params, PoolingParams):
+            raise InvalidRequestError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        pooling_params.check()
+    theirs = None if pooling_params is None else pooling_params.normalize
+    if normalize is not None and not isinstance(normalize, bool):
+        raise InvalidRequestError(f"normalize must be True, False or None, got {normalize!r}")
+    if normalize is not None and theirs is not None and normalize != theirs:
+        raise InvalidRequestError(f"normalize={normalize} and pooling_params.normalize={theirs} disagree; pass one")
+    return next((v for v in (normalize, theirs) if v is not None), True)
 
 
 def _with_content(message, content_format: str):

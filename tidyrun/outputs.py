@@ -34,3 +34,54 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finished() for o in self.outputs)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One input's embedding, as vLLM's ``LLM.embed`` returns it (``.outputs.embedding``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score, as vLLM's ``LLM.score`` returns it (``.outputs.score``); ``prompt_token_ids`` are
+    the pair's two inputs' ids, one after the other."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+def embedding_outputs(prefix: str, token_lists: list[list[int]], vectors) -> list[EmbeddingRequestOutput]:
+    """``vectors`` [N, hidden] (the runner's pooled rows) as vLLM's outputs, ids ``prefix-0`` ...``prefix-(N-1)``."""
+    return [EmbeddingRequestOutput(f"{prefix}-{i}", EmbeddingOutput(v), ids)
+            for i, (ids, v) in enumerate(zip(token_lists, vectors.tolist()))]
+
+
+def scoring_outputs(prefix: str, token_lists: list[list[int]], vectors, pairs: list[tuple[int, int]]
+                    ) -> list[ScoringRequestOutput]:
+    """Cosine similarity of each pair (i, j) of rows of ``vectors`` (unit length already) as vLLM's outputs."""
+    left = vectors[[i for i, _ in pairs]]
+    right = vectors[[j for _, j in pairs]]
+    scores = (left * right).sum(-1).tolist()
+    return [ScoringRequestOutput(f"{prefix}-{k}", ScoringOutput(score), token_lists[i] + token_lists[j])
+            for k, ((i, j), score) in enumerate(zip(pairs, scores))]

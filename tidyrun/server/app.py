@@ -415,11 +415,12 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         for ids in token_lists:
             if not ids or len(ids) > max_model_len:
                 raise APIError(400, f"each input must have 1 to {max_model_len} tokens, got {len(ids)}", param="input")
-        vectors = await loop.call(lambda e: e.embed(token_lists, pooling=body.pooling, normalize=body.normalize))
+        outs = await loop.call(lambda e: e.embed(token_lists, pooling=body.pooling, normalize=body.normalize))
         data = []
-        for i, v in enumerate(vectors):
-            emb = (base64.b64encode(v.numpy().astype(np.float32).tobytes()).decode()
-                   if body.encoding_format == "base64" else v.tolist())
+        for i, out in enumerate(outs):
+            v = out.outputs.embedding
+            emb = (base64.b64encode(np.asarray(v, dtype=np.float32).tobytes()).decode()
+                   if body.encoding_format == "base64" else v)
             data.append({"object": "embedding", "index": i, "embedding": emb})
         n_tokens = sum(len(ids) for ids in token_lists)
         metrics.tokens(n_tokens, 0)
