@@ -1,5 +1,6 @@
 """tidyrun: an in-process LLM inference engine that gives back every byte it took."""
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .engine import LLM
 from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
                      PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError, WeightsNotLoadedError,
@@ -13,7 +14,7 @@ from .sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingPa
 __all__ = (
     "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
     "TextPrompt", "TokensPrompt", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
-    "ScoringRequestOutput", "TidyrunError", "ModelLoadError",
+    "ScoringRequestOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "TidyrunError", "ModelLoadError",
     "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
     "EngineShutdownError", "EngineSleepingError", "WeightsNotLoadedError", "ResourceLeakError", "WorkerError",
     "WorkerDiedError")

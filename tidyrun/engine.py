@@ -29,7 +29,8 @@ from .distributed.driver import TPDriverRunner
 from .distributed.external import LaunchedRankRunner, join_launch
 from .engine_args import CHECKED_APART, check_no_effect_options, engine_config
 from .errors import EngineShutdownError, InvalidRequestError
-from .intake import Prompt, PromptType, RequestIntake, pooling_normalize, score_pairs
+from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from .intake import Prompt, PromptType, RequestIntake, is_single_prompt, pooling_normalize, score_pairs
 from .kv_cache import BlockPool
 from .llm_engine import WeightSyncPath
 from .loader import generation_defaults, open_engine_source, open_engine_tokenizer
@@ -728,6 +729,23 @@ class LLM:
             self._pending_outputs = [o for o in others + self._pending_outputs if o.request_id != request_id]
 
     @_drops_frames_on_error
+    @_drops_frames_on_error
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (beam_search.py): one BeamSearchOutput per prompt, its ``params.beam_width`` best
+        beams (``.sequences``: ``tokens`` prompt and generated, ``text``, ``cum_logprob``, ``logprobs``).
+        ``use_tqdm`` and ``concurrency_limit`` are accepted (every prompt's beams run together)."""
+        _check_no_lora(lora_request)
+        self._check_alive()
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
+        params.check(self.config.max_logprobs)
+        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
+        token_lists = [self._intake.prompt(p).token_ids for p in prompts]
+        return beam_search(lambda batch, step: self.generate(batch, step, use_tqdm=False), token_lists, params,
+                           self.tokenizer.eos_token_ids, self.max_model_len,
+                           lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+
     def embed(self, prompts: PromptType | list[PromptType], *, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True, pooling_params: PoolingParams | None = None, lora_request=None,
               pooling: str = "last", normalize: bool | None = None) -> list[EmbeddingRequestOutput]:

@@ -31,7 +31,7 @@ class Prompt(NamedTuple):
     token_ids: list[int]
 
 
-def _is_single(prompts) -> bool:
+def is_single_prompt(prompts) -> bool:
     """One prompt rather than a list of them: a text, a dict, or a list of token ids."""
     return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                  and hasattr(type(prompts[0]), "__index__"))  # int, numpy.int64
@@ -142,7 +142,7 @@ class RequestIntake:
     def requests(self, prompts: PromptType | Iterable[PromptType],
                  params: SamplingParams | list[SamplingParams] | None) -> list[tuple[Prompt, SamplingParams]]:
         """Every (prompt, params) of a ``generate()`` call, all checked: one bad prompt rejects the whole call."""
-        if _is_single(prompts):
+        if is_single_prompt(prompts):
             prompts = [prompts]
         if not isinstance(prompts, Iterable):
             raise InvalidRequestError(f"prompts must be a str, a dict, a list of token ids or a list of those, "
@@ -186,7 +186,7 @@ class RequestIntake:
     def embed_inputs(self, texts: PromptType | list[PromptType], truncate: int | None = None) -> list[list[int]]:
         """Token ids of each input of ``embed()``: complete sequences, each at most ``max_model_len`` tokens
         (``truncate``, vLLM's ``truncate_prompt_tokens``: only the last that many; -1: ``max_model_len``)."""
-        if _is_single(texts):
+        if is_single_prompt(texts):
             texts = [texts]
         if not isinstance(texts, (list, tuple)) or not texts:
             raise InvalidRequestError("embed() takes a text, a token id list, or a non-empty list of those")
@@ -210,8 +210,8 @@ class RequestIntake:
 def score_pairs(data_1, data_2) -> tuple[list, list[tuple[int, int]]]:
     """vLLM's ``score`` pairing: one input against each of a list (1:N), or two lists of one length pair by pair
     (N:N). Returns the inputs in order and the pairs as (index, index) into them."""
-    first = [data_1] if _is_single(data_1) else data_1
-    second = [data_2] if _is_single(data_2) else data_2
+    first = [data_1] if is_single_prompt(data_1) else data_1
+    second = [data_2] if is_single_prompt(data_2) else data_2
     if not isinstance(first, (list, tuple)) or not isinstance(second, (list, tuple)) or not first or not second:
         raise InvalidRequestError("score() takes a text (or token id list) or a non-empty list of them on each side")
     if len(first) == 1:

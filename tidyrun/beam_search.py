@@ -1,0 +1,111 @@
+"""vLLM's offline beam search (``LLM.beam_search``), built on the engine's own one-token steps.
+
+Each round asks the engine for one token of every live beam with its top
+``2 * beam_width`` logprobs (greedy, or at ``temperature``; the logprobs are
+the raw distribution's), extends every beam by each candidate, and keeps the
+``beam_width`` best per prompt by ``score``; a beam that ends in an EOS id
+moves to the finished ones (unless ``ignore_eos``). The beams of one prompt
+share its prefix, so the prefix cache serves each round's prompts but their
+last token. Same rules and score as vLLM's (``cum_logprob / len ** length_penalty``,
+the length counting the prompt and not a final EOS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequestError
+from .logprobs import Logprob
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def check(self, max_logprobs: int) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"BeamSearchParams.{name} must be an int >= 1, got {value!r}")
+        if max_logprobs != -1 and 2 * self.beam_width > max_logprobs:
+            raise InvalidRequestError(f"beam_width={self.beam_width} needs {2 * self.beam_width} logprobs per token, "
+                                      f"above this engine's max_logprobs ({max_logprobs}); raise LLM(max_logprobs=)")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise InvalidRequestError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise InvalidRequestError(f"BeamSearchParams.length_penalty must be a number, got {self.length_penalty!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` the prompt's and the generated ones, ``logprobs`` one {token id: Logprob} per
+    generated token (its candidates), ``text`` the decoded ``tokens`` (set on the returned beams)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The ``beam_width`` best beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def score(beam: BeamSearchSequence, eos_token_ids: Collection[int], length_penalty: float) -> float:
+    length = len(beam.tokens) - (1 if beam.tokens and beam.tokens[-1] in eos_token_ids else 0)
+    return beam.cum_logprob / (max(length, 1) ** length_penalty)
+
+
+def beam_search(generate: Callable, prompts: list[list[int]], params: BeamSearchParams,
+                eos_token_ids: Collection[int], max_model_len: int, decode: Callable[[list[int]], str]
+                ) -> list[BeamSearchOutput]:
+    """``generate(token id prompts, SamplingParams)`` -> RequestOutputs in order (the engine's ``generate``)."""
+    width = params.beam_width
+    step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width, ignore_eos=True)
+    key = lambda b: score(b, eos_token_ids, params.length_penalty)  # noqa: E731
+    live = [[BeamSearchSequence(list(p))] for p in prompts]
+    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+    for _ in range(params.max_tokens):
+        beams = [b for group in live for b in group]
+        if not beams:
+            break
+        outputs = generate([{"prompt_token_ids": b.tokens} for b in beams], step)
+        results = iter(outputs)
+        for i, group in enumerate(live):
+            grown = []
+            for beam in group:
+                candidates = next(results).outputs[0].logprobs[0]
+                for token, logprob in candidates.items():
+                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [candidates],
+                                             beam.cum_logprob + logprob.logprob)
+                    if token in eos_token_ids and not params.ignore_eos:
+                        new.finish_reason, new.stop_reason = "stop", token
+                        done[i].append(new)
+                    elif len(new.tokens) >= max_model_len:  # no room for another token: it ends here
+                        new.finish_reason = "length"
+                        done[i].append(new)
+                    else:
+                        grown.append(new)
+            live[i] = sorted(grown, key=key, reverse=True)[:width]
+    results = []
+    for i, group in enumerate(live):
+        for beam in group:
+            beam.finish_reason = "length"
+        best = sorted(done[i] + group, key=key, reverse=True)[:width]
+        for beam in best:
+            beam.text = decode(beam.tokens)
+        results.append(BeamSearchOutput(best))
+    return results
