@@ -342,6 +342,7 @@ def test_outputs_and_generate_keywords_as_in_vllm(neutral):
     0 (first come, first served), anything else refused."""
     [out] = neutral.generate(PROMPTS[0], GREEDY, use_tqdm=False, priority=[0])
     assert out.finished is True and out.outputs[0].finished() is True
+    assert (out.metrics, out.lora_request, out.encoder_prompt, out.outputs[0].lora_request) == (None, None, None, None)
     with pytest.raises(InvalidRequestError, match=r"priority=\[0, 3\] is not supported"):
         neutral.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[0, 3])
     assert not neutral.has_unfinished_requests()
@@ -358,6 +359,7 @@ def test_llm_engine_answers_what_callers_read_from_vllms_engine(neutral):
     assert engine.vllm_config.parallel_config.tensor_parallel_size == 1
     assert engine.vllm_config.scheduler_config.max_num_seqs == 4
     assert engine.reset_prefix_cache() is True and engine.get_tokenizer() is neutral.get_tokenizer()
+    assert engine.is_sleeping() is False
     with pytest.raises(AttributeError, match="has no 'named_parameters'.*not handed out"):
         engine.model_executor.driver_worker.model_runner.model.named_parameters()
 

@@ -11,7 +11,7 @@ internals. tidyrun's own (the runner, the model, its tensors) are not handed
 out: whoever kept one would keep device memory alive past ``shutdown()``.
 Instead ``llm.llm_engine`` is this small read-only object: ``load_weights``
 (= ``LLM.load_weights``) at the end of every step of that path,
-``reset_prefix_cache``, ``get_tokenizer``, and plain-value copies of the
+``reset_prefix_cache``, ``get_tokenizer``, ``is_sleeping()``, and plain-value copies of the
 configuration. It refers to the engine weakly, so keeping it keeps nothing
 alive; anything else it is asked for is an AttributeError saying what it has.
 """
@@ -71,6 +71,10 @@ class WeightSyncPath:
         """``LLM.get_tokenizer()``."""
         return self._engine().get_tokenizer()
 
+    def is_sleeping(self) -> bool:
+        """``LLM.is_sleeping`` (a method here, as on vLLM's engine)."""
+        return self._engine().is_sleeping
+
     @property
     def tokenizer(self):
         return self.get_tokenizer()
@@ -112,6 +116,6 @@ class WeightSyncPath:
     def __getattr__(self, name: str):
         raise AttributeError(
             f"llm.llm_engine has no {name!r}: tidyrun stands in for vLLM's engine with load_weights (at the end of "
-            "model_executor.driver_worker.model_runner.model), reset_prefix_cache, get_tokenizer, model_config, "
-            "cache_config and vllm_config only; the LLM's own methods do the rest (the model and its tensors are "
-            "not handed out: they would outlive shutdown)")
+            "model_executor.driver_worker.model_runner.model), reset_prefix_cache, get_tokenizer, is_sleeping, "
+            "model_config, cache_config and vllm_config only; the LLM's own methods do the rest (the model and its "
+            "tensors are not handed out: they would outlive shutdown)")

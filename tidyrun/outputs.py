@@ -16,6 +16,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None  # one {token id: Logprob} per generated token, if asked
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    lora_request: None = None  # vLLM's field; tidyrun has no LoRA adapters
 
     def finished(self) -> bool:
         """A method, as in vLLM (``RequestOutput.finished`` is not)."""
@@ -30,6 +31,10 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: None = None  # vLLM's fields with no counterpart here: always None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
 
     @property
     def finished(self) -> bool:
