@@ -46,8 +46,11 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "city"], "additionalProperties": False}
 
 
-def step_times(llm, params, batch: int, plen: int, steps: int, vocab: int, device: str) -> list[float]:
-    """``steps`` step times (s) with ``batch`` requests of ``params`` all decoding."""
+def step_times(llm, params, batch: int, plen: int, steps: int, vocab: int, device: str,
+               block: bool = False) -> list[float]:
+    """``steps`` step times (s) with ``batch`` requests of ``params`` all decoding, each step synchronised;
+    ``block``: one time, the mean of ``steps`` consecutive steps synchronised only before and after the
+    block, so that a step launched ahead overlaps the host's next one as in ``generate``."""
     rng = random.Random(2)
     rids = [llm.add_request({"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(plen)]}, params)
             for _ in range(batch)]
@@ -57,11 +60,16 @@ def step_times(llm, params, batch: int, plen: int, steps: int, vocab: int, devic
         llm.step()
     times = []
     sync(device)
+    start = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
         llm.step()
+        if not block:
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    if block:
         sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - start) / steps)
     assert llm.stats()["running"] == batch, "not every request decoded every step"
     for r in rids:
         llm.abort_request(r)
@@ -170,31 +178,6 @@ def structured_row(name: str, ckpt: str | None, args: argparse.Namespace, schedu
 RECORDS = {"type": "array", "items": SCHEMA, "minItems": 1000}
 
 
-def steady_step_ms(llm, params, batch: int, plen: int, steps: int, vocab: int, device: str) -> float:
-    """Mean wall time (ms) of ``steps`` consecutive ``llm.step()`` calls with ``batch`` requests of
-    ``params`` decoding, synchronised only before and after the block: unlike ``step_times`` (one sync per
-    step), a step launched ahead overlaps the host's next one, as in ``generate``."""
-    rng = random.Random(3)
-    rids = [llm.add_request({"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(plen)]}, params)
-            for _ in range(batch)]
-    while not all(llm.request_output(r).outputs[0].token_ids for r in rids):
-        llm.step()
-    for _ in range(3):
-        llm.step()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        llm.step()
-    sync(device)
-    ms = (time.perf_counter() - t0) / steps * 1e3
-    assert llm.stats()["running"] == batch, "not every request decoded every step"
-    for r in rids:
-        llm.abort_request(r)
-    while llm.has_unfinished_requests():
-        llm.step()
-    return ms
-
-
 def json_decode_rows(args: argparse.Namespace) -> list[dict]:
     """(c) for the default model and each ``--structured-shapes`` entry: decode steps of B rows under
     ``RECORDS`` vs the same rows unconstrained, the sides alternating round by round; median over rounds."""
@@ -210,12 +193,13 @@ def json_decode_rows(args: argparse.Namespace) -> list[dict]:
             sides = {"json": SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, structured_outputs=spec),
                      "free": SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)}
             for params in sides.values():  # kernels and graphs of both sides built before either is timed
-                steady_step_ms(llm, params, max(args.json_batches), plen, 3, vocab, args.device)
+                step_times(llm, params, max(args.json_batches), plen, 3, vocab, args.device, block=True)
             for b in args.json_batches:
                 ms: dict[str, list[float]] = {"json": [], "free": []}
                 for _ in range(args.rounds):
                     for side, params in sides.items():
-                        ms[side].append(steady_step_ms(llm, params, b, plen, args.decode_steps, vocab, args.device))
+                        ms[side] += [t * 1e3 for t in step_times(llm, params, b, plen, args.decode_steps, vocab,
+                                                                  args.device, block=True)]
                 t = {k: statistics.median(v) for k, v in ms.items()}
                 rows.append(dict(model=name, batch=b, ms=ms, json_ms=t["json"], free_ms=t["free"],
                                  overhead=t["json"] / t["free"] - 1))
