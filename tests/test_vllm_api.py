@@ -323,6 +323,9 @@ def test_prompt_types_and_numpy_token_ids_as_vllm_takes_them(neutral, reference)
     assert [list(o.outputs[0].token_ids) for o in neutral.generate(prompts, GREEDY, use_tqdm=False)] == reference
     assert [list(o.outputs[0].token_ids) for o in neutral.generate([list(a), b.tolist()], GREEDY, use_tqdm=False)] \
         == reference
+    assert [list(o.outputs[0].token_ids) for o in neutral.generate([a, torch.tensor(b)], GREEDY, use_tqdm=False)] \
+        == reference  # a list of arrays: one prompt each
+    assert list(neutral.generate(a, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == reference[0]
     [one] = neutral.generate(list(a), GREEDY, use_tqdm=False)  # one prompt of NumPy ints, not a list of prompts
     assert one.prompt_token_ids == PROMPTS[0] and all(type(t) is int for t in one.prompt_token_ids)
     text = neutral.generate(TextPrompt(prompt="Hello"), GREEDY, use_tqdm=False)[0]

@@ -33,8 +33,13 @@ class Prompt(NamedTuple):
 
 def is_single_prompt(prompts) -> bool:
     """One prompt rather than a list of them: a text, a dict, or a list of token ids."""
-    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
-                                                 and hasattr(type(prompts[0]), "__index__"))  # int, numpy.int64
+    return (isinstance(prompts, (str, dict)) or getattr(prompts, "ndim", None) == 1  # a 1-D token id array
+            or (isinstance(prompts, list) and bool(prompts) and _is_token(prompts[0])))
+
+
+def _is_token(x) -> bool:
+    """An int, or a NumPy / torch integer scalar (not an array, which also has ``__index__``)."""
+    return isinstance(x, int) or (hasattr(type(x), "__index__") and getattr(x, "ndim", 0) == 0)
 
 
 def token_id_list(ids, what: str) -> list[int]:
@@ -87,7 +92,7 @@ class RequestIntake:
             if isinstance(prompt.get("prompt"), str):
                 return Prompt(prompt["prompt"], self.tokenizer.encode(prompt["prompt"]))
             raise InvalidRequestError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) or getattr(prompt, "ndim", None) == 1:  # token ids (a NumPy / torch array too)
             return Prompt(None, token_id_list(prompt, "a token-id prompt"))
         raise InvalidRequestError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
