@@ -59,7 +59,11 @@ def test_normalized_embeddings_and_score(llm):
     assert scores[1] == pytest.approx((e[0] @ e[1]).item(), abs=1e-5)
     pairwise = llm.score([TEXTS[0], TEXTS[1]], [TEXTS[1], TEXTS[1]])
     assert [o.outputs.score for o in pairwise] == pytest.approx([(e[0] @ e[1]).item(), 1.0], abs=1e-5)
-    assert pairwise[0].prompt_token_ids == llm.tokenizer.encode(TEXTS[0]) + llm.tokenizer.encode(TEXTS[1])
+    pad = llm.get_tokenizer().pad_token_id
+    assert pairwise[0].prompt_token_ids == (llm.tokenizer.encode(TEXTS[0]) + ([] if pad is None else [pad])
+                                            + llm.tokenizer.encode(TEXTS[1]))
+    unnormalized = llm.score(TEXTS[0], TEXTS[1], pooling_params=PoolingParams(normalize=False))
+    assert unnormalized[0].outputs.score == pytest.approx(scores[1], abs=1e-6)  # a cosine either way
     assert torch.allclose(vectors(llm.embed([TEXTS[2]])), e[2:], atol=1e-5)  # batch-independent
     last = llm.tokenizer.encode(TEXTS[1])[-3:]
     [cut] = llm.embed(TEXTS[1], truncate_prompt_tokens=3)
@@ -89,8 +93,6 @@ def test_embed_bad_input(llm):
         llm.embed(TEXTS, normalize=False, pooling_params=PoolingParams(normalize=True))
     with pytest.raises(InvalidRequestError, match="Matryoshka"):
         llm.embed(TEXTS, pooling_params=PoolingParams(dimensions=64))
-    with pytest.raises(InvalidRequestError, match="normalize must be True or None"):
-        llm.score(TEXTS[0], TEXTS, pooling_params=PoolingParams(normalize=False))
     with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens must be"):
         llm.embed(TEXTS, truncate_prompt_tokens=0)
     assert llm.generate(["still fine"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

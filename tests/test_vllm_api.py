@@ -331,6 +331,7 @@ def test_prompt_types_and_numpy_token_ids_as_vllm_takes_them(neutral, reference)
     text = neutral.generate(TextPrompt(prompt="Hello"), GREEDY, use_tqdm=False)[0]
     assert text.prompt == "Hello"
     bad = [({"prompt_token_ids": [5, np.bool_(True)]}, "token ids must be ints"),
+           ({"prompt_token_ids": [torch.tensor(True), torch.tensor(5)]}, "token ids must be ints"),
            ({"prompt_token_ids": np.array([1.5, 2.0])}, "token ids must be ints"),
            ({"prompt_token_ids": np.zeros((2, 2), dtype=np.int64)}, "must be a list of int, got ndarray"),
            ({"prompt": "Hi", "multi_modal_data": {"image": "x.png"}}, r"text-only models\); got \['multi_modal_data'\]")]
@@ -348,6 +349,8 @@ def test_outputs_and_generate_keywords_as_in_vllm(neutral):
     assert (out.metrics, out.lora_request, out.encoder_prompt, out.outputs[0].lora_request) == (None, None, None, None)
     with pytest.raises(InvalidRequestError, match=r"priority=\[0, 3\] is not supported"):
         neutral.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[0, 3])
+    with pytest.raises(InvalidRequestError, match="priority must be None or a list of ints"):
+        neutral.generate(PROMPTS, GREEDY, use_tqdm=False, priority=1)
     assert not neutral.has_unfinished_requests()
 
 

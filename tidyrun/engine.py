@@ -30,7 +30,8 @@ from .distributed.external import LaunchedRankRunner, join_launch
 from .engine_args import CHECKED_APART, check_no_effect_options, engine_config
 from .errors import EngineShutdownError, InvalidRequestError
 from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from .intake import Prompt, PromptType, RequestIntake, is_single_prompt, pooling_normalize, score_pairs
+from .intake import (Prompt, PromptType, RequestIntake, check_no_priority, check_text_only, pooling_normalize,
+                     score_pairs)
 from .kv_cache import BlockPool
 from .llm_engine import WeightSyncPath
 from .loader import generation_defaults, open_engine_source, open_engine_tokenizer
@@ -161,12 +162,6 @@ def _check_no_lora(lora_request) -> None:
     if lora_request is not None:
         raise InvalidRequestError(f"lora_request={lora_request!r} is not supported: tidyrun has no LoRA adapters; "
                                   "pass None (or merge the adapter into the weights and load_weights() them)")
-
-
-def _check_no_priority(priority) -> None:
-    if priority is not None and any(p != 0 for p in priority):
-        raise InvalidRequestError(f"priority={priority!r} is not supported: tidyrun schedules requests first come, "
-                                  "first served (vLLM's default policy, which also refuses priorities); pass None")
 
 
 class LLM:
@@ -495,7 +490,8 @@ class LLM:
 
     @property
     def llm_engine(self) -> WeightSyncPath:
-        """Stands for vLLM's ``llm_engine...model`` path only to its ``load_weights`` (see llm_engine.py)."""
+        """A small read-only stand-in for vLLM's engine: the weight-push path, the prefix cache, the tokenizer and
+        copies of the configuration (see llm_engine.py)."""
         self._check_alive()
         return WeightSyncPath(self)
 
@@ -633,7 +629,7 @@ class LLM:
         ``priority`` None or all 0 (requests run first come, first served, as in vLLM's default scheduler).
         """
         _check_no_lora(lora_request)
-        _check_no_priority(priority)
+        check_no_priority(priority)
         self._check_alive()
         self.runner.check_awake()
         requests = self._intake.requests(prompts, sampling_params)  # all checked before any is queued
@@ -692,9 +688,7 @@ class LLM:
         or {} (text-only models).
         """
         _check_no_lora(lora_request)
-        if mm_processor_kwargs:
-            raise InvalidRequestError(f"mm_processor_kwargs={mm_processor_kwargs!r} is not supported: tidyrun runs "
-                                      "text-only models; pass None")
+        check_text_only(mm_processor_kwargs)
         self._check_alive()
         prompts = self._intake.conversations(
             messages, add_generation_prompt, continue_final_message=continue_final_message,
@@ -729,7 +723,6 @@ class LLM:
             self._pending_outputs = [o for o in others + self._pending_outputs if o.request_id != request_id]
 
     @_drops_frames_on_error
-    @_drops_frames_on_error
     def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams, lora_request=None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (beam_search.py): one BeamSearchOutput per prompt, its ``params.beam_width`` best
@@ -737,15 +730,12 @@ class LLM:
         ``use_tqdm`` and ``concurrency_limit`` are accepted (every prompt's beams run together)."""
         _check_no_lora(lora_request)
         self._check_alive()
-        if not isinstance(params, BeamSearchParams):
-            raise InvalidRequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
-        params.check(self.config.max_logprobs)
-        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
-        token_lists = [self._intake.prompt(p).token_ids for p in prompts]
+        token_lists = self._intake.beam_prompts(prompts, params)
+        hf = self.tokenizer.hf_tokenizer
         return beam_search(lambda batch, step: self.generate(batch, step, use_tqdm=False), token_lists, params,
-                           self.tokenizer.eos_token_ids, self.max_model_len,
-                           lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+                           hf.eos_token_id, self.max_model_len, hf.decode)
 
+    @_drops_frames_on_error
     def embed(self, prompts: PromptType | list[PromptType], *, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True, pooling_params: PoolingParams | None = None, lora_request=None,
               pooling: str = "last", normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
@@ -765,6 +755,7 @@ class LLM:
         vectors = self.runner.embed(token_lists, pooling, unit, self.config.max_num_batched_tokens)
         return embedding_outputs(f"embd-{next(self._seq_counter)}", token_lists, vectors)
 
+    @_drops_frames_on_error
     def score(self, data_1: PromptType | list[PromptType], data_2: PromptType | list[PromptType], *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None, lora_request=None,
@@ -774,13 +765,13 @@ class LLM:
         _check_no_lora(lora_request)
         self._check_alive()
         self.runner.check_awake()
-        if not pooling_normalize(pooling_params, None):
-            raise InvalidRequestError("score() compares unit-length embeddings: pooling_params.normalize must be "
-                                      "True or None")
+        pooling_normalize(pooling_params, None)  # checked; a cosine similarity is the same either way
         inputs, pairs = score_pairs(data_1, data_2)
         token_lists = self._intake.embed_inputs(inputs, truncate_prompt_tokens)
         vectors = self.runner.embed(token_lists, pooling, True, self.config.max_num_batched_tokens)
-        return scoring_outputs(f"score-{next(self._seq_counter)}", token_lists, vectors, pairs)
+        pad = self.tokenizer.hf_tokenizer.pad_token_id
+        return scoring_outputs(f"score-{next(self._seq_counter)}", token_lists, vectors, pairs,
+                               [] if pad is None else [pad])
 
     @_drops_frames_on_error
     def compute_logits(self, prompt: PromptType):

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from .beam_search import BeamSearchParams
 from .errors import InvalidRequestError, PromptTooLongError
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -56,7 +58,7 @@ def token_id_list(ids, what: str) -> list[int]:
 
 
 def _as_int(t):
-    if isinstance(t, bool) or type(t).__name__ == "bool_":
+    if isinstance(t, bool) or type(t).__name__ == "bool_" or str(getattr(t, "dtype", "")) == "torch.bool":
         return t  # refused by check_token_ids: a bool is no token id
     try:
         return operator.index(t)  # numpy.int64, torch.int64 scalars, ...
@@ -188,6 +190,18 @@ class RequestIntake:
                     chat_template=chat_template, tools=tools, template_kwargs=template_kwargs)}
                 for c in conversations]
 
+    def beam_prompts(self, prompts, params) -> list[list[int]]:
+        """The token ids of ``beam_search``'s prompts (one or a list), each with room to grow, after checking
+        ``params`` (a BeamSearchParams) against this engine's ``max_logprobs``."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
+        params.check(self.max_logprobs)
+        if is_single_prompt(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidRequestError("beam_search takes a prompt or a non-empty list of prompts")
+        return [self.prompt(p).token_ids for p in prompts]
+
     def embed_inputs(self, texts: PromptType | list[PromptType], truncate: int | None = None) -> list[list[int]]:
         """Token ids of each input of ``embed()``: complete sequences, each at most ``max_model_len`` tokens
         (``truncate``, vLLM's ``truncate_prompt_tokens``: only the last that many; -1: ``max_model_len``)."""
@@ -212,6 +226,24 @@ class RequestIntake:
         return token_lists
 
 
+def check_no_priority(priority) -> None:
+    """vLLM's ``generate(priority=)``: None, or one int per prompt, all 0 (first come, first served)."""
+    if priority is None:
+        return
+    if not isinstance(priority, (list, tuple)) or not all(isinstance(p, int) for p in priority):
+        raise InvalidRequestError(f"priority must be None or a list of ints (one per prompt), got {priority!r}")
+    if any(p != 0 for p in priority):
+        raise InvalidRequestError(f"priority={list(priority)!r} is not supported: tidyrun schedules requests first "
+                                  "come, first served (vLLM's default policy, which also refuses priorities); pass "
+                                  "None")
+
+
+def check_text_only(mm_processor_kwargs) -> None:
+    if mm_processor_kwargs:
+        raise InvalidRequestError(f"mm_processor_kwargs={mm_processor_kwargs!r} is not supported: tidyrun runs "
+                                  "text-only models; pass None")
+
+
 def score_pairs(data_1, data_2) -> tuple[list, list[tuple[int, int]]]:
     """vLLM's ``score`` pairing: one input against each of a list (1:N), or two lists of one length pair by pair
     (N:N). Returns the inputs in order and the pairs as (index, index) into them."""
@@ -231,8 +263,6 @@ def score_pairs(data_1, data_2) -> tuple[list, list[tuple[int, int]]]:
 def pooling_normalize(pooling_params, normalize: bool | None) -> bool:
     """Whether embeddings are scaled to unit length: vLLM's ``PoolingParams.normalize`` or tidyrun's
     ``normalize`` keyword (they must agree when both are given); True when neither says."""
-    from .pooling_params import PoolingParams
-
     if pooling_params is not None:
         if not isinstance(pooling_params, PoolingParams):
             raise InvalidRequestError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")

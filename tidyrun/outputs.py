@@ -68,7 +68,7 @@ class ScoringOutput:
 @dataclass
 class ScoringRequestOutput:
     """One pair's score, as vLLM's ``LLM.score`` returns it (``.outputs.score``); ``prompt_token_ids`` are
-    the pair's two inputs' ids, one after the other."""
+    the pair's two inputs' ids, the pad token between them (as vLLM's)."""
 
     request_id: str
     outputs: ScoringOutput
@@ -82,11 +82,12 @@ def embedding_outputs(prefix: str, token_lists: list[list[int]], vectors) -> lis
             for i, (ids, v) in enumerate(zip(token_lists, vectors.tolist()))]
 
 
-def scoring_outputs(prefix: str, token_lists: list[list[int]], vectors, pairs: list[tuple[int, int]]
-                    ) -> list[ScoringRequestOutput]:
-    """Cosine similarity of each pair (i, j) of rows of ``vectors`` (unit length already) as vLLM's outputs."""
+def scoring_outputs(prefix: str, token_lists: list[list[int]], vectors, pairs: list[tuple[int, int]],
+                    separator: list[int]) -> list[ScoringRequestOutput]:
+    """Cosine similarity of each pair (i, j) of rows of ``vectors`` (unit length already) as vLLM's outputs; a
+    pair's ``prompt_token_ids`` are its two inputs' with ``separator`` (vLLM's: the pad token) between."""
     left = vectors[[i for i, _ in pairs]]
     right = vectors[[j for _, j in pairs]]
     scores = (left * right).sum(-1).tolist()
-    return [ScoringRequestOutput(f"{prefix}-{k}", ScoringOutput(score), token_lists[i] + token_lists[j])
+    return [ScoringRequestOutput(f"{prefix}-{k}", ScoringOutput(score), token_lists[i] + separator + token_lists[j])
             for k, ((i, j), score) in enumerate(zip(pairs, scores))]
