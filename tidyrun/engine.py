@@ -24,12 +24,12 @@ from types import MappingProxyType
 
 import torch
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .config import EngineConfig, SpeculativeConfig
 from .distributed.driver import TPDriverRunner
 from .distributed.external import LaunchedRankRunner, join_launch
 from .engine_args import CHECKED_APART, check_no_effect_options, engine_config
 from .errors import EngineShutdownError, InvalidRequestError
-from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .intake import (Prompt, PromptType, RequestIntake, check_no_priority, check_text_only, pooling_normalize,
                      score_pairs)
 from .kv_cache import BlockPool
@@ -39,8 +39,8 @@ from .logprobs import prompt_logprobs, sample_logprobs
 from .metrics_reader import Metric, metrics_from_stats
 from .outputs import (CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput, embedding_outputs,
                       scoring_outputs)
-from .pooling_params import PoolingParams
 from .pipeline import StepPipeline
+from .pooling_params import PoolingParams
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
