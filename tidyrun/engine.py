@@ -751,12 +751,8 @@ class LLM:
         ``normalize`` (or ``pooling_params.normalize``; default True).
         ``use_tqdm`` is accepted and shows nothing (one batched pass).
         """
-        _check_no_lora(lora_request)
-        self._check_alive()
-        self.runner.check_awake()
         unit = pooling_normalize(pooling_params, normalize)
-        token_lists = self._intake.embed_inputs(prompts, truncate_prompt_tokens)
-        vectors = self.runner.embed(token_lists, pooling, unit, self.config.max_num_batched_tokens)
+        token_lists, vectors = self._pooled(prompts, truncate_prompt_tokens, pooling, unit, lora_request)
         return embedding_outputs(f"embd-{next(self._seq_counter)}", token_lists, vectors)
 
     @_drops_frames_on_error
@@ -766,16 +762,22 @@ class LLM:
               pooling: str = "last") -> list[ScoringRequestOutput]:
         """vLLM's ``score`` for an embedding model: the cosine similarity of each pair (``.outputs.score``),
         ``data_1`` against each of ``data_2`` (1:N) or two lists of one length item by item (N:N)."""
-        _check_no_lora(lora_request)
-        self._check_alive()
-        self.runner.check_awake()
         pooling_normalize(pooling_params, None)  # checked; a cosine similarity is the same either way
         inputs, pairs = score_pairs(data_1, data_2)
-        token_lists = self._intake.embed_inputs(inputs, truncate_prompt_tokens)
-        vectors = self.runner.embed(token_lists, pooling, True, self.config.max_num_batched_tokens)
+        token_lists, vectors = self._pooled(inputs, truncate_prompt_tokens, pooling, True, lora_request)
         pad = self.tokenizer.hf_tokenizer.pad_token_id
         return scoring_outputs(f"score-{next(self._seq_counter)}", token_lists, vectors, pairs,
                                [] if pad is None else [pad])
+
+    def _pooled(self, inputs, truncate: int | None, pooling: str, unit: bool, lora_request
+                ) -> tuple[list[list[int]], torch.Tensor]:
+        """``embed`` and ``score``'s one way to the runner's KV-free pooling: the inputs' token ids and their
+        pooled rows [N, hidden]."""
+        _check_no_lora(lora_request)
+        self._check_alive()
+        self.runner.check_awake()
+        token_lists = self._intake.embed_inputs(inputs, truncate)
+        return token_lists, self.runner.embed(token_lists, pooling, unit, self.config.max_num_batched_tokens)
 
     @_drops_frames_on_error
     def compute_logits(self, prompt: PromptType):

@@ -65,6 +65,7 @@ def _as_int(t):
     except TypeError:
         return t
 
+
 @dataclass(frozen=True)
 class RequestIntake:
     """Checks requests against one engine's tokenizer, vocabulary and context length (``max_model_len``)."""
