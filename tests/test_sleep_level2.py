@@ -134,12 +134,12 @@ def test_failed_pushes_change_nothing(engine, tiny_llama_dir):
     with pytest.raises(InvalidRequestError, match="shape"):  # a dict is checked before anything is copied
         engine.update_weights({good: sd[good], "model.norm.weight": torch.zeros(3)})
     assert len(engine.runner.missing_weights) == n
-    # An iterable is streamed: what was copied before the bad tensor is not counted (conservative), so the
-    # engine still refuses and asks for it again.
+    # An iterable is streamed: the tensor copied before the bad one counts as loaded (the model reports each
+    # copy), the bad one and the rest do not, and the engine still refuses.
     with pytest.raises(InvalidRequestError, match="unexpected weight"):
         engine.update_weights(iter([(good, sd[good]), ("model.bogus.weight", torch.zeros(3))]))
-    assert good in engine.runner.missing_weights and len(engine.runner.missing_weights) == n
-    with pytest.raises(WeightsNotLoadedError, match=rf"{n} of the {n}"):
+    assert good not in engine.runner.missing_weights and len(engine.runner.missing_weights) == n - 1
+    with pytest.raises(WeightsNotLoadedError, match=rf"{n - 1} of the {n}"):
         engine.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
@@ -260,3 +260,39 @@ def test_tensor_parallel_level2_push_and_reload(tmp_path):
         llm.runner.reload_weights()
         llm.wake_up(["kv_cache"])
         assert greedy(llm) == before
+
+
+def model_load_weights(runner, pairs):
+    """vLLM's spelling inside a ``collective_rpc`` function: the model's own ``load_weights``."""
+    return len(runner.model.load_weights(pairs))
+
+
+def test_a_collective_rpc_function_that_loads_through_the_model_fills_the_weights(engine, tiny_llama_dir, tmp_path):
+    """TRL's and verl's weight sync call ``model.load_weights`` from a worker function; after a level-2 sleep
+    the engine refused to generate afterwards (WeightsNotLoadedError) because only pushes through the runner
+    were counted."""
+    expected = greedy(engine)
+    pairs = list(state_dict(tiny_llama_dir).items())
+    engine.sleep(level=2)
+    engine.wake_up(["weights"])
+    half = len(pairs) // 2
+    assert engine.collective_rpc(model_load_weights, args=(pairs[:half],)) == [half]
+    assert len(engine.runner.missing_weights) == len(pairs) - half
+    assert engine.collective_rpc(model_load_weights, args=(pairs[half:],)) == [len(pairs) - half]
+    assert engine.runner.missing_weights == []
+    engine.wake_up(["kv_cache"])
+    assert greedy(engine) == expected
+
+
+def test_loading_through_the_model_while_the_weights_sleep_is_a_clear_error(engine, tiny_llama_dir):
+    """The weights' memory is gone at level 1 and 2: a copy into them was a bare RuntimeError from torch."""
+    pairs = list(state_dict(tiny_llama_dir).items())
+    for level in (1, 2):
+        engine.sleep(level=level)
+        with pytest.raises(EngineSleepingError, match=r"the weights sleep \(level %d\).*wake_up\(\['weights'\]\)"
+                           % level):
+            engine.collective_rpc(model_load_weights, args=(pairs,))
+        engine.wake_up()
+        if level == 2:
+            engine.collective_rpc("reload_weights")
+    assert engine.generate(PROMPTS, GREEDY, use_tqdm=False)

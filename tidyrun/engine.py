@@ -453,10 +453,11 @@ class LLM:
         it is pickled to the worker processes: a module-level function).
         After the named methods the prefix cache is reset; after a function
         that changes weights, call ``reset_prefix_cache()`` (as with vLLM).
-        A function that pushes weights should call ``runner.update_weights(pairs)``:
-        ``runner.model.load_weights`` (vLLM's spelling) copies them too, but the
-        runner does not learn of it, so after ``sleep(level=2)`` it still counts
-        them as not loaded and refuses to generate.
+        A function may push weights with ``runner.model.load_weights(pairs)``
+        (vLLM's spelling) or ``runner.update_weights(pairs)``: either way the
+        runner counts them as loaded (after ``sleep(level=2)`` it generates
+        again once every weight is back), and while the weights sleep either is
+        refused with EngineSleepingError.
         ``timeout`` must be None: the ranks answer within the collective
         timeout or fail.
         """

@@ -235,6 +235,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(cfg, max_positions, ctx, self.ops, dtype, self.shard, tp)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, self.shard.vocab_size, False, self.ops, dtype))
+        # Told of every load (the runner's Weights component sets it): which weights are missing, and
+        # whether their memory is placed at all.
+        self.weight_status = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         """Final hidden states [T, hidden] for flat token ids [T] at ``positions``."""
@@ -388,8 +391,11 @@ class LlamaForCausalLM(nn.Module):
         loads, as vLLM's ``model.load_weights`` does (a ``collective_rpc`` function
         pushing one tensor at a time). A checkpoint's tensors must
         have their full shapes; ``full_only=False`` also takes a rank's slice. Parameters must be placed
-        (materialized) first.
+        (materialized) first: with a ``weight_status`` whose memory sleeps, EngineSleepingError.
         """
+        status = self.weight_status
+        if status is not None:
+            status.before_load()
         shards = self.weight_shards()
         loaded: set[str] = set()
         for name, tensor in self.checkpoint_names(weights):
@@ -398,6 +404,8 @@ class LlamaForCausalLM(nn.Module):
             for shard in self._target(shards, name, tensor, full_only):
                 shard.copy_(tensor)
             loaded.add(name)
+            if status is not None:
+                status.loaded(name)
         if require_all:
             self._check_complete(shards, loaded)
         return loaded

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..attention import ForwardContext
+from ..errors import EngineSleepingError
 from ..kv_cache import KVCache
 from ..model.llama import LlamaForCausalLM
 from ..resources import ResourceLedger, pinned_host_buffer, unpin_host_buffer
@@ -43,9 +44,13 @@ class Weights(Component):
 
     ``missing`` is what makes that safe: the HF names whose values the arena
     does not hold (all of them after a level-2 sleep, none after a full
-    fill). Pushes remove what they load, one tensor at a time if need be; the
+    fill). Every load removes what it copies, one tensor at a time, whoever
+    calls it: the runner's pushes and a ``collective_rpc`` function's
+    ``runner.model.load_weights`` (vLLM's spelling) alike, because the model
+    reports its loads to a ``WeightStatus`` this component gives it. The
     runner refuses to run the model while any is missing, instead of
-    computing with uninitialised memory.
+    computing with uninitialised memory; a load while the arena sleeps is
+    refused by name instead of failing inside a copy.
     """
 
     owner, tag = "weights", WEIGHTS
@@ -59,13 +64,13 @@ class Weights(Component):
         self.device, self.dtype, self._ledger = device, dtype, ledger
         self.model: LlamaForCausalLM | None = None
         self.arena: WeightArena | None = None
-        self.names: frozenset[str] = frozenset()  # every HF name this rank's model needs
-        self.missing: frozenset[str] = frozenset()  # of those, the ones the arena holds no value for
+        self.status = WeightStatus()  # which names the arena holds; shared with the model, which reports loads
         self.loaded = 0  # tensors loaded by the last fill
 
     def acquire(self) -> None:
         self.model = self._build_model()
-        self.names = self.missing = frozenset(self.model.weight_shards())
+        self.status.reset(frozenset(self.model.weight_shards()))
+        self.model.weight_status = self.status
         self.arena = WeightArena(self.model, self.device, self.dtype, self._ledger)
         self.arena.materialize()
         self._fill(self._source.iter_weights())
@@ -73,18 +78,24 @@ class Weights(Component):
     def _fill(self, weights, full_only: bool = True) -> None:
         """Load every weight (a missing one raises ModelLoadError); only then is none missing."""
         self.loaded = len(self.model.load_weights(weights, require_all=True, full_only=full_only))
-        self.missing = frozenset()
 
     def load(self, weights, require_all: bool = False) -> int:
         """Copy (HF name, tensor) pairs into the awake arena in place; returns how many were loaded.
 
-        The names loaded stop being missing. When it fails part-way, the
-        tensors copied before the failure count as still missing (they are
-        not known here): push them again.
+        The names loaded stop being missing (the model reports each one as it
+        is copied, so a load that fails part-way keeps those before it).
         """
-        loaded = self.model.load_weights(weights, require_all=require_all, full_only=self._pushed_full_only)
-        self.missing -= loaded
-        return len(loaded)
+        return len(self.model.load_weights(weights, require_all=require_all, full_only=self._pushed_full_only))
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every HF name this rank's model needs."""
+        return self.status.names
+
+    @property
+    def missing(self) -> frozenset[str]:
+        """Of ``names``, the ones the arena holds no value for."""
+        return frozenset(self.status.missing)
 
     def release(self) -> None:
         self.model = None
@@ -92,18 +103,50 @@ class Weights(Component):
 
     def sleep(self, t: Transition) -> None:
         self.arena.release()
-        if t.level == 2:
-            self.missing = self.names
+        self.status.sleep(t.level)
 
     def wake(self, t: Transition) -> None:
         self.arena.materialize()
+        self.status.wake()
         if t.level == 2 and t.weights is not None:
             self._fill(t.weights, self._pushed_full_only)
 
     def unwake(self, t: Transition) -> None:
         self.arena.release()
-        if t.level == 2:
-            self.missing = self.names
+        self.status.sleep(t.level)
+
+
+class WeightStatus:
+    """Which weights the arena holds, kept where every load reports (``LlamaForCausalLM.load_weights`` calls
+    ``before_load`` and ``loaded``). Host only.
+
+    Why an object of its own: the model must not hold its Weights component
+    (a reference cycle would keep the arena's owner alive until a collection).
+    """
+
+    def __init__(self) -> None:
+        self.names: frozenset[str] = frozenset()
+        self.missing: set[str] = set()
+        self.asleep = 0  # the level the arena sleeps at; 0 while it is placed
+
+    def reset(self, names: frozenset[str]) -> None:
+        self.names, self.missing, self.asleep = names, set(names), 0
+
+    def sleep(self, level: int) -> None:
+        self.asleep = level
+        if level == 2:
+            self.missing = set(self.names)
+
+    def wake(self) -> None:
+        self.asleep = 0
+
+    def before_load(self) -> None:
+        if self.asleep:
+            raise EngineSleepingError(f"the weights sleep (level {self.asleep}): their memory is released; call "
+                                      "wake_up(['weights']) before loading weights")
+
+    def loaded(self, name: str) -> None:
+        self.missing.discard(name)
 
 
 class HostWeights(Component):

@@ -264,7 +264,7 @@ class ModelRunner:
             raise EngineSleepingError(
                 f"the engine is asleep (level {self.sleep_level}; released: {', '.join(sorted(self.sleeping))}); "
                 "call wake_up() first")
-        missing = self.weights.missing
+        missing = self.weights.status.missing  # runs every step: the set itself, not a copy
         if missing:
             raise WeightsNotLoadedError(
                 f"{len(missing)} of the {len(self.weights.names)} weight tensors are not loaded (e.g. "
