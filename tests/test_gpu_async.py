@@ -105,3 +105,52 @@ def test_cuda_masked_race_gives_the_processed_paths_tokens(default_model, monkey
                     assert [[(t, r) for t, r, _ in d] for d in recs] == [[(t, r) for t, r, _ in d] for d in want_recs]
                     assert max(abs(v - w) for d, e in zip(recs, want_recs) for (_, _, v), (_, _, w) in zip(d, e)) <= 1e-4
     assert got[True] == got[False]
+
+
+def test_uploads_do_not_wait_for_the_stream_and_survive_the_ring_wrapping():
+    """The step's small host-to-device copies (the race's scales, grammar masks) go through a pinned ring:
+    queued behind ~50 ms of device work they return at once, where a copy from pageable memory waits for
+    that work (what made every sampled step wait for its own forward pass); after many uploads of odd sizes
+    through a small ring, each copy holds its own values."""
+    import time
+
+    import torch
+
+    from tidyrun.resources import ResourceLedger
+    from tidyrun.runner.input_batch import HostUploads
+
+    torch.cuda.init()
+    ledger = ResourceLedger()
+    uploads = HostUploads(4096, torch.device("cuda"), ledger)
+    host = torch.arange(64 * 2, dtype=torch.float32).view(64, 2)
+    uploads.upload(host)
+    torch.cuda.synchronize()
+
+    def queued_call(call) -> float:
+        torch.cuda._sleep(100_000_000)  # ~50 ms of device time on an H100 / H200
+        t0 = time.perf_counter()
+        call()
+        seconds = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return seconds
+
+    pageable = queued_call(lambda: host.to("cuda", non_blocking=True))
+    pinned = queued_call(lambda: uploads.upload(host))
+    assert pageable > 0.02 and pinned < 0.005, (pageable, pinned)
+
+    gen = torch.Generator().manual_seed(0)
+    sent, got = [], []
+    for i in range(300):
+        n = int(torch.randint(1, 700, (), generator=gen))
+        dtype = (torch.int32, torch.int64, torch.float32, torch.bool)[i % 4]
+        t = torch.randint(0, 2 if dtype is torch.bool else 1 << 30, (n,), generator=gen).to(dtype)
+        if i % 50 == 0:
+            torch.cuda._sleep(10_000_000)  # copies still in flight when the ring comes round
+        sent.append(t)
+        got.append(uploads.upload(t))
+    big = torch.arange(5000, dtype=torch.int64)  # larger than the ring: the pageable way, still right
+    assert torch.equal(uploads.upload(big).cpu(), big)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(sent, got))
+    uploads.release()
+    assert not uploads.ring.is_pinned()
