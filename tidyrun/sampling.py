@@ -98,19 +98,21 @@ class Sampler:
         probs, order, scaled = self._sorted_filtered(logits, params, keep_logits=True)
         return torch.full_like(scaled, float("-inf")).scatter_(-1, order, scaled)
 
-    @staticmethod
-    def _sorted_filtered(sub: torch.Tensor, params: Sequence[SamplingParams], keep_logits: bool = False):
+    def _sorted_filtered(self, sub: torch.Tensor, params: Sequence[SamplingParams], keep_logits: bool = False):
         dev = sub.device
-        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=sub.dtype)
+        # The rows' settings in one upload (float64 holds each value and any top_k exactly; the casts round
+        # as building each tensor from the Python floats would).
+        vocab = sub.shape[-1]
+        knobs = to_device(torch.tensor([[p.temperature, p.min_p, p.top_k if p.top_k > 0 else vocab, p.top_p]
+                                        for p in params], dtype=torch.float64), dev, self.upload)
+        temps, min_p, top_p = (knobs[:, i].to(sub.dtype) for i in (0, 1, 3))
+        top_k = knobs[:, 2].long()
         sorted_logits, order = (sub / temps[:, None]).sort(dim=-1, descending=True)
         # min-p first, on the whole tempered distribution, then top-k, then top-p on what is left: vLLM's order.
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
         sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
         rank = torch.arange(sorted_logits.shape[-1], device=dev)[None, :]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else sub.shape[-1] for p in params], device=dev)
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays). Rows with
         # top_p = 1 keep everything: their cumulative sum can round to 1 before the tail.
