@@ -545,7 +545,7 @@ class ModelRunner:
             if records is not None and len(at) < len(seqs):  # the other rows' records: just their tokens
                 full = torch.zeros(len(seqs), 3, dtype=records.dtype, device=records.device)
                 full[:, 0] = tokens
-                records = full.index_copy_(0, torch.tensor(at, device=records.device), records)
+                records = full.index_copy_(0, self.upload(torch.tensor(at)), records)
         if tokens is None:
             tokens = torch.zeros(len(seqs), dtype=torch.int64, device=self.device)
         host_copy = None if self.inputs is None else self.inputs.send_tokens(tokens, records)
@@ -633,7 +633,7 @@ class ModelRunner:
         if rows:
             if greedy_logprob is None:
                 greedy_logprob = self.ops.argmax_logprob(logits)[1]
-            index = torch.tensor(rows, device=records.device)
+            index = self.upload(torch.tensor(rows))
             records[index, 1] = greedy_logprob[index].double()
 
     def _masked_one_pass(self, seqs: list[Sequence]) -> bool:
