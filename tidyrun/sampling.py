@@ -11,7 +11,6 @@ from .sampling_params import SamplingParams
 
 
 RaceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
-Upload = Callable[[torch.Tensor], torch.Tensor]  # a small CPU tensor -> the same on the logits' device
 
 
 class RaceDraw(NamedTuple):
@@ -35,11 +34,8 @@ class Sampler:
     Holds no device memory between calls.
     """
 
-    def __init__(self, race: RaceFn | None = None, upload: Upload | None = None) -> None:
-        """``upload``: puts a small CPU tensor on the logits' device (the runner's: without waiting for the
-        stream; ``HostUploads`` says why); None: ``Tensor.to``."""
+    def __init__(self, race: RaceFn | None = None) -> None:
         self.race = race or race_sample
-        self.upload = upload
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None], race: RaceDraw | None = None) -> torch.Tensor:
@@ -51,8 +47,7 @@ class Sampler:
         vocab, dev = logits.shape[-1], logits.device
         race = race or self.draw_race(logits, params, generators)
         if race.rows:
-            sub = logits if len(race.rows) == len(params) else logits[to_device(torch.tensor(race.rows), dev,
-                                                                                self.upload)]
+            sub = logits if len(race.rows) == len(params) else logits[torch.tensor(race.rows, device=dev)]
             picks, _ = self.race(sub, race.noise, race.scale, False)
             if len(race.rows) == len(params):
                 return picks
@@ -64,7 +59,8 @@ class Sampler:
             tokens[filtered] = order[torch.arange(len(filtered), device=dev), picks]
         return tokens
 
-    def draw_race(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+    @staticmethod
+    def draw_race(logits: torch.Tensor, params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None]) -> RaceDraw:
         """The noise of the rows that race (sampled, ``unfiltered``), drawn now from their generators: the same
         draws ``__call__`` makes. Only the logits' shape and device matter, so a caller whose logits are
@@ -75,7 +71,7 @@ class Sampler:
         if not rows:
             return RaceDraw(rows, None, None)
         noise, scale = race_inputs((len(rows), vocab), logits.device, [params[i] for i in rows],
-                                   [generators[i] for i in rows], self.upload)
+                                   [generators[i] for i in rows])
         return RaceDraw(rows, noise, scale)
 
     def race_packed(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -84,7 +80,7 @@ class Sampler:
         filtered row would be sampled from its whole distribution): one race over the batch, on the device:
         the tokens (int64) and float64 rows (token, raw log-probability, rank). The tokens are those
         ``__call__`` draws from the same generators."""
-        return self.race(logits, *race_inputs(logits.shape, logits.device, params, generators, self.upload), True)
+        return self.race(logits, *race_inputs(logits.shape, logits.device, params, generators), True)
 
     def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """The distribution [rows, vocab] each (non-greedy) row samples from, after all filters."""
@@ -98,21 +94,19 @@ class Sampler:
         probs, order, scaled = self._sorted_filtered(logits, params, keep_logits=True)
         return torch.full_like(scaled, float("-inf")).scatter_(-1, order, scaled)
 
-    def _sorted_filtered(self, sub: torch.Tensor, params: Sequence[SamplingParams], keep_logits: bool = False):
+    @staticmethod
+    def _sorted_filtered(sub: torch.Tensor, params: Sequence[SamplingParams], keep_logits: bool = False):
         dev = sub.device
-        # The rows' settings in one upload (float64 holds each value and any top_k exactly; the casts round
-        # as building each tensor from the Python floats would).
-        vocab = sub.shape[-1]
-        knobs = to_device(torch.tensor([[p.temperature, p.min_p, p.top_k if p.top_k > 0 else vocab, p.top_p]
-                                        for p in params], dtype=torch.float64), dev, self.upload)
-        temps, min_p, top_p = (knobs[:, i].to(sub.dtype) for i in (0, 1, 3))
-        top_k = knobs[:, 2].long()
+        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=sub.dtype)
         sorted_logits, order = (sub / temps[:, None]).sort(dim=-1, descending=True)
         # min-p first, on the whole tempered distribution, then top-k, then top-p on what is left: vLLM's order.
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
         sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
         rank = torch.arange(sorted_logits.shape[-1], device=dev)[None, :]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else sub.shape[-1] for p in params], device=dev)
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays). Rows with
         # top_p = 1 keep everything: their cumulative sum can round to 1 before the tail.
@@ -130,18 +124,11 @@ def unfiltered(params: SamplingParams, vocab: int | None = None) -> bool:
             and params.top_p >= 1.0 and params.min_p <= 0.0)
 
 
-def to_device(host: torch.Tensor, dev: torch.device, upload: Upload | None) -> torch.Tensor:
-    """A small CPU tensor on ``dev``: through ``upload`` when given (the runner's, which does not wait for the
-    stream), else ``Tensor.to``."""
-    return upload(host) if upload is not None else host.to(dev, non_blocking=True)
-
-
 def race_inputs(shape: tuple[int, int], dev: torch.device, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None],
-                upload: Upload | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """The race's noise (float32 ``shape`` [B, vocab] on ``dev``, Exp(1) from each sampled row's generator;
     greedy rows' rows are left unset) and scale (float32 [B, 2]: 1 / temperature and 1 for sampled rows, 1 and
-    0 for greedy), sent with ``upload`` (``to_device``)."""
+    0 for greedy)."""
     noise = torch.empty(shape, dtype=torch.float32, device=dev)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled and all(generators[i] is None for i in sampled):
@@ -151,7 +138,7 @@ def race_inputs(shape: tuple[int, int], dev: torch.device, params: Sequence[Samp
             noise[i].exponential_(generator=generators[i])
     scale = torch.tensor([[1.0, 0.0] if p.greedy else [1.0 / p.temperature, 1.0] for p in params],
                          dtype=torch.float32)
-    return noise, to_device(scale, dev, upload)
+    return noise, scale.to(dev, non_blocking=True)
 
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,

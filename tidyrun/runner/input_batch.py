@@ -157,75 +157,13 @@ class HostTokens(NamedTuple):
         return self.view.tolist(), None if self.records is None else self.records.tolist()
 
 
-class HostUploads:
-    """The step's other small host-to-device copies (the sampler's scales, grammar masks, row indices),
-    through a pinned ring buffer, so that none of them waits for the stream.
-
-    Owns pinned host memory: the ring (ledger owner ``inputs_host``, unpinned by ``release``).
-
-    Why: a copy from pageable host memory is staged by the driver after the
-    work queued before it, so ``tensor.to("cuda", non_blocking=True)`` made
-    the host wait for the forward pass it had just launched, every sampled
-    step (the race's [rows, 2] scale), and every grammar step twice (the mask
-    too): the host could not book the last step and schedule the next one
-    while the device computed. From pinned memory the copy is queued and the
-    call returns. A region of the ring is written again only once the copy
-    that read it is done (an event per upload; they are long done by then:
-    the ring holds several steps). A tensor larger than the ring goes the
-    pageable way.
-    """
-
-    def __init__(self, nbytes: int, device: torch.device, ledger: ResourceLedger) -> None:
-        self.device = device
-        self.ring = ledger.track("inputs_host", "inputs.uploads", pinned_host_buffer(nbytes, torch.uint8))
-        self._bytes = self.ring.numpy()
-        self._head = 0
-        self._in_flight: list[tuple[int, int, torch.cuda.Event]] = []  # (start, end, event) of recent copies
-        self._events: list[torch.cuda.Event] = []  # done, to reuse
-
-    def upload(self, host: torch.Tensor) -> torch.Tensor:
-        """A device copy of the CPU tensor ``host``, queued on the current stream without waiting for it."""
-        host = host.contiguous()
-        n = host.numel() * host.element_size()
-        if n > len(self._bytes):
-            return host.to(self.device, non_blocking=True)
-        start = (self._head + 15) // 16 * 16  # aligned for any element type
-        if start + n > len(self._bytes):
-            start = 0
-        end = self._head = start + n
-        keep = []
-        for entry in self._in_flight:
-            s, e, event = entry
-            if s < end and start < e:
-                event.synchronize()  # that copy read this region (several steps ago: done)
-                self._events.append(event)
-            else:
-                keep.append(entry)
-        self._in_flight = keep
-        if n:
-            self._bytes[start:end] = host.view(-1).view(torch.uint8).numpy()
-        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        out.copy_(self.ring[start:end].view(host.dtype).view(host.shape), non_blocking=True)
-        event = self._events.pop() if self._events else torch.cuda.Event()
-        event.record()
-        self._in_flight.append((start, end, event))
-        return out
-
-    def release(self) -> None:
-        if self.ring.is_pinned():
-            unpin_host_buffer(self.ring)
-        self._in_flight = []
-
-
 class StepInputs:
     """The staging buffers every Triton-path step's integer inputs travel through, in one copy.
 
     Owns device memory: one int64 buffer (ledger owner ``inputs``), and a
     pinned host buffer of the same size (``release`` unpins it), plus a
     pinned one for two steps' sampled tokens and one for their logprob
-    records, on their way back (async scheduling: ``send_tokens``), and the
-    ring other small copies go through (``uploads``, CUDA only: see
-    HostUploads; ``upload_bytes`` its size). CUDA graphs capture views of the
+    records, on their way back (async scheduling: ``send_tokens``). CUDA graphs capture views of the
     device buffer (``graph_views``), so it must outlive them (it is
     acquired before them and released after them). The pinned host buffer
     is tracked as ``inputs_host``. Also the split kernels' arrival counters
@@ -237,7 +175,7 @@ class StepInputs:
 
     def __init__(self, block_size: int, group: int, num_kv_heads: int, max_tokens: int, max_seqs: int,
                  max_blocks: int, device: torch.device, ledger: ResourceLedger,
-                 batch_invariant: bool = False, upload_bytes: int = 1 << 20) -> None:
+                 batch_invariant: bool = False) -> None:
         self.block_size, self.group, self.max_blocks = block_size, group, max_blocks
         self.num_kv_heads = num_kv_heads
         self.batch_invariant = batch_invariant  # see attention_tiles
@@ -263,7 +201,6 @@ class StepInputs:
         self.records_host = ledger.track("inputs_host", "inputs.records_host", records)  # (token, logprob, rank)
         self._token_copies = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else None
         self._token_slot = 0
-        self.uploads = HostUploads(upload_bytes, device, ledger) if device.type == "cuda" else None
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     @staticmethod
@@ -330,14 +267,6 @@ class StepInputs:
         for buf in (self.host_buf, self.tokens_host, self.records_host):
             if buf.is_pinned():
                 unpin_host_buffer(buf)
-        if self.uploads is not None:
-            self.uploads.release()
-
-    def upload(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` (a CPU tensor) on this step's device, without waiting for the stream (``HostUploads``)."""
-        if self.uploads is None:
-            return host.to(self.device)
-        return self.uploads.upload(host)
 
     def attention_tiles(self, num_seqs: int, max_query_len: int) -> tuple[int, int, int]:
         """(BLOCK_Q, BLOCK_M, splits) of the attention kernel for a step of ``num_seqs`` sequences, eager or

@@ -118,7 +118,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.ctx = ForwardContext()
         self.ops = self._choose_ops(config)
-        self.sampler = Sampler(self.ops.race_sample, self.upload)
+        self.sampler = Sampler(self.ops.race_sample)
         self.graph_sizes = self._graph_sizes(config)
         self.last_transfer: dict[str, float] = {}
         gpu_memory = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
@@ -170,9 +170,7 @@ class ModelRunner:
         return StepInputs(self.block_size, mc.num_heads // mc.num_kv_heads, self.shard.num_kv_heads,
                           max(cfg.max_num_batched_tokens, self.max_model_len), cfg.max_num_seqs,
                           -(-self.max_model_len // self.block_size), self.device, self.ledger,
-                          batch_invariant=cfg.batch_invariant,
-                          # three steps of the largest upload, a grammar bitmask row per sequence
-                          upload_bytes=max(1 << 20, 3 * cfg.max_num_seqs * (-(-mc.vocab_size // 32) * 4 + 64)))
+                          batch_invariant=cfg.batch_invariant)
 
     # -- what the rows hold (None while released) -----------------------------------------
 
@@ -195,12 +193,6 @@ class ModelRunner:
     @property
     def inputs(self) -> StepInputs | None:
         return None if self.step_inputs is None else self.step_inputs.inputs
-
-    def upload(self, host: torch.Tensor) -> torch.Tensor:
-        """A small CPU tensor on the device; on the Triton path through the step inputs' pinned ring, so the
-        host does not wait for the work queued before (``HostUploads``)."""
-        inputs = self.inputs
-        return host.to(self.device) if inputs is None else inputs.upload(host)
 
     @property
     def graphs(self) -> CudaGraphManager | None:
@@ -524,7 +516,7 @@ class ModelRunner:
             masks = grammars[0].compiler.fill_later(grammars) if grammars else None
             try:
                 every = len(live) == len(seqs)
-                index = None if every else self.upload(torch.tensor(live))
+                index = None if every else torch.tensor(live, device=step.logits.logits.device)
                 logits, greedy, greedy_logprob = (t if t is None or every else t[index] for t in step.logits)
                 one_pass = self._one_pass_logprobs(rows)
                 if one_pass is not None:  # its processed sequences have finished: the records execute takes
@@ -545,7 +537,7 @@ class ModelRunner:
             if records is not None and len(at) < len(seqs):  # the other rows' records: just their tokens
                 full = torch.zeros(len(seqs), 3, dtype=records.dtype, device=records.device)
                 full[:, 0] = tokens
-                records = full.index_copy_(0, self.upload(torch.tensor(at)), records)
+                records = full.index_copy_(0, torch.tensor(at, device=records.device), records)
         if tokens is None:
             tokens = torch.zeros(len(seqs), dtype=torch.int64, device=self.device)
         host_copy = None if self.inputs is None else self.inputs.send_tokens(tokens, records)
@@ -633,7 +625,7 @@ class ModelRunner:
         if rows:
             if greedy_logprob is None:
                 greedy_logprob = self.ops.argmax_logprob(logits)[1]
-            index = self.upload(torch.tensor(rows))
+            index = torch.tensor(rows, device=records.device)
             records[index, 1] = greedy_logprob[index].double()
 
     def _masked_one_pass(self, seqs: list[Sequence]) -> bool:
@@ -665,7 +657,7 @@ class ModelRunner:
         if not masks.serve([seqs[i].grammar for i in grammar_rows]):
             raise RuntimeError("_masked_race: the pending masks are not those of this step's grammar rows")
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        noise, scale = race_inputs(logits.shape, logits.device, params, generators, self.upload)
+        noise, scale = race_inputs(logits.shape, logits.device, params, generators)
         bitmask = masks.wait()
         if len(masks.states) < len(seqs):  # plain rows beside: every token allowed
             # numpy, on this thread only: torch's CPU fill of a mask this size wakes its OpenMP threads, which
@@ -674,7 +666,7 @@ class ModelRunner:
             full[grammar_rows] = bitmask.numpy()
             bitmask = torch.from_numpy(full)
         want = any(s.params.logprobs is not None for s in seqs)
-        tokens, records = self.ops.race_sample(logits, noise, scale, want, self.upload(bitmask))
+        tokens, records = self.ops.race_sample(logits, noise, scale, want, bitmask.to(logits.device))
         if records is not None:  # plain greedy rows: as in a race without masks
             self._argmax_logprobs(records, logits, greedy_logprob,
                                   [i for i, s in enumerate(seqs) if s.greedy and s.grammar is None])
