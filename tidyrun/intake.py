@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from .beam_search import BeamSearchParams
 from .errors import InvalidRequestError, PromptTooLongError
 from .pooling_params import PoolingParams
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, truncation_ok
 from .tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict
@@ -115,10 +115,8 @@ class RequestIntake:
         ids = tokenized.token_ids
         self.check_token_ids(ids, "prompt")
         if truncate is not None:
-            keep = self.max_model_len - 1 if truncate == -1 else truncate
-            if len(ids) > keep:
-                ids = ids[len(ids) - keep:]
-                tokenized = Prompt(tokenized.text, ids)
+            ids = _last_tokens(ids, truncate, self.max_model_len - 1)
+            tokenized = Prompt(tokenized.text, ids)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
@@ -197,34 +195,42 @@ class RequestIntake:
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
         params.check(self.max_logprobs)
-        if is_single_prompt(prompts):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise InvalidRequestError("beam_search takes a prompt or a non-empty list of prompts")
+        prompts = _prompt_list(prompts, "beam_search takes a prompt or a non-empty list of prompts")
         return [self.prompt(p).token_ids for p in prompts]
 
     def embed_inputs(self, texts: PromptType | list[PromptType], truncate: int | None = None) -> list[list[int]]:
         """Token ids of each input of ``embed()``: complete sequences, each at most ``max_model_len`` tokens
         (``truncate``, vLLM's ``truncate_prompt_tokens``: only the last that many; -1: ``max_model_len``)."""
-        if is_single_prompt(texts):
-            texts = [texts]
-        if not isinstance(texts, (list, tuple)) or not texts:
-            raise InvalidRequestError("embed() takes a text, a token id list, or a non-empty list of those")
-        if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool)
-                                     or not (truncate == -1 or truncate >= 1)):
+        texts = _prompt_list(texts, "embed() takes a text, a token id list, or a non-empty list of those")
+        if not truncation_ok(truncate):
             raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or an int >= 1, got {truncate!r}")
-        keep = None if truncate is None else (self.max_model_len if truncate == -1 else truncate)
         token_lists = []
         for t in texts:
             ids = self.tokenize(t).token_ids
             self.check_token_ids(ids, "input")
-            if keep is not None:
-                ids = ids[-keep:]
+            if truncate is not None:
+                ids = _last_tokens(ids, truncate, self.max_model_len)
             if len(ids) > self.max_model_len:
                 raise PromptTooLongError(f"an input has {len(ids)} tokens; embed() takes at most "
                                          f"{self.max_model_len} (max_model_len)")
             token_lists.append(ids)
         return token_lists
+
+
+def _prompt_list(prompts, wrong: str) -> list | tuple:
+    """One prompt or a non-empty list (or tuple) of them, as a list or tuple; InvalidRequestError(``wrong``) else."""
+    if is_single_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidRequestError(wrong)
+    return prompts
+
+
+def _last_tokens(ids: list[int], truncate: int, fit: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``truncate`` of ``ids`` (-1: the last ``fit``, as many as the
+    context takes: ``max_model_len - 1`` for a prompt that generates, ``max_model_len`` for pooling)."""
+    keep = fit if truncate == -1 else truncate
+    return ids[len(ids) - keep:] if len(ids) > keep else ids
 
 
 def check_no_priority(priority) -> None:
@@ -248,10 +254,8 @@ def check_text_only(mm_processor_kwargs) -> None:
 def score_pairs(data_1, data_2) -> tuple[list, list[tuple[int, int]]]:
     """vLLM's ``score`` pairing: one input against each of a list (1:N), or two lists of one length pair by pair
     (N:N). Returns the inputs in order and the pairs as (index, index) into them."""
-    first = [data_1] if is_single_prompt(data_1) else data_1
-    second = [data_2] if is_single_prompt(data_2) else data_2
-    if not isinstance(first, (list, tuple)) or not isinstance(second, (list, tuple)) or not first or not second:
-        raise InvalidRequestError("score() takes a text (or token id list) or a non-empty list of them on each side")
+    wrong = "score() takes a text (or token id list) or a non-empty list of them on each side"
+    first, second = _prompt_list(data_1, wrong), _prompt_list(data_2, wrong)
     if len(first) == 1:
         return [first[0], *second], [(0, 1 + j) for j in range(len(second))]
     if len(first) != len(second):

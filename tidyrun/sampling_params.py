@@ -38,6 +38,11 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def truncation_ok(v) -> bool:
+    """A valid ``truncate_prompt_tokens`` (sampling's and pooling's): None, -1 (as many as fit) or an int >= 1."""
+    return v is None or (_is_int(v) and (v == -1 or v >= 1))
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -190,9 +195,7 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < -1):
                 raise _bad(f"{name} must be None, -1 (the whole vocabulary) or an int >= 0, got {v!r}")
-        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
-                                                        or self.truncate_prompt_tokens < -1
-                                                        or self.truncate_prompt_tokens == 0):
+        if not truncation_ok(self.truncate_prompt_tokens):
             raise _bad(f"truncate_prompt_tokens must be None, -1 or an int >= 1, got {self.truncate_prompt_tokens!r}")
         if self.logits_processors:
             raise _bad("per-request logits_processors are not supported (as in vLLM v1); use logit_bias, "
