@@ -652,11 +652,11 @@ class ModelRunner:
         """The tokens (and, when some sequence asked, (token, raw logprob, rank) rows for all) of a
         ``_masked_one_pass`` step, on the device: one race over the logits in the model's dtype that reads
         the grammars' int32 bitmask itself. For seeded rows the processed path's tokens (float copy,
-        ``apply_bitmask``, the sampler: each generator draws the same noise; unseeded rows draw theirs from the
-        global generator in one batch of another shape), its raw records up to the rounding of another
-        logsumexp on the GPU; without its copy, unpacking launches and per-row rules: on the H100 host those cost
-        ~0.5 ms of a 64-row JSON step (docs/BENCHMARKS.md). The noise is drawn while the masks fill. ``steps``:
-        as in ``_one_pass_records``."""
+        ``apply_bitmask``, the sampler: each row races the same noise, from its generator or its key; unseeded
+        rows draw theirs from the global generator in one batch of another shape), its raw records up to the
+        rounding of another logsumexp on the GPU; without its copy, unpacking launches and per-row rules: on the
+        H100 host those cost ~0.5 ms of a 64-row JSON step (docs/BENCHMARKS.md). The noise (or its keys) is
+        prepared while the masks fill. ``steps``: as in ``_one_pass_records``."""
         grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not masks.serve([seqs[i].grammar for i in grammar_rows]):
             raise RuntimeError("_masked_race: the pending masks are not those of this step's grammar rows")
