@@ -8,6 +8,7 @@ with the shape that failed.
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -362,6 +363,43 @@ def check_masked_race(device, dtype, shapes=((1, 10000), (6, 4097), (6, 4096), (
         assert (packed[:, 1].float() - (value - raw.logsumexp(-1))).abs().max().item() <= 1e-4, "raw logprob"
         again, none = race_sample(x, noise, scale, False, mask, block=block)
         assert none is None and torch.equal(again, tokens), "masked race without logprobs"
+
+
+def check_race_keyed(device, dtype, vocab=3000, block=512):
+    """The keyed race (noise drawn in the kernel from each row's (seed, step)): the tokens and logprob rows of
+    the stored-noise race and of the torch reference given the noise ``keyed_noise`` materialises from the
+    same keys, with and without a grammar's bitmask; a row's token follows its key wherever the row sits in
+    the batch; greedy rows ignore theirs; the draws are Exp(1) (mean, tails), differ from step to step and
+    seed to seed, and steps past 2**32 count."""
+    from tidyrun.kernels.race import keyed_noise, race_sample
+    from tidyrun.sampling import race_sample as reference
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, vocab, generator=g) * 3).to(device=device, dtype=dtype)
+    keys = torch.tensor([[7, 0], [7, 1], [8, 0], [2**62 + 3, 5], [7, 0], [9, 2]], dtype=torch.int64, device=device)
+    scale = torch.tensor([[1.0, 1.0], [1 / 0.7, 1.0], [1.0, 1.0], [2.0, 1.0], [1.0, 1.0], [1.0, 0.0]], device=device)
+    noise = keyed_noise(keys, vocab)
+    assert torch.equal(noise[0], noise[4]) and not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    far = keyed_noise(torch.tensor([[7, 2**32]], device=device), vocab)
+    assert not torch.equal(far[0], noise[0]), "a step past 2**32 repeats step 0"
+    tokens, packed = race_sample(x, keys, scale, True, block=block)
+    stored_tokens, stored_packed = race_sample(x, noise, scale, True, block=block)
+    assert tokens.tolist() == stored_tokens.tolist() and torch.equal(packed, stored_packed), "keyed vs stored noise"
+    assert tokens.tolist() == reference(x, noise, scale, False)[0].tolist(), "keyed vs the torch reference"
+    assert tokens[5].item() == x[5].float().argmax().item(), "a greedy row read its key"
+    mask = torch.randint(-2**31, 2**31 - 1, (6, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    mask = mask.to(device)
+    masked, _ = race_sample(x, keys, scale, True, mask, block=block)
+    assert masked.tolist() == reference(x, noise, scale, False, mask)[0].tolist(), "keyed masked race"
+    perm = [3, 0, 5, 1, 4, 2]
+    moved, none = race_sample(x[perm], keys[perm], scale[perm], False, block=block)
+    assert none is None and moved.tolist() == tokens[perm].tolist(), "a row's token depends on its batch"
+    draws = keyed_noise(torch.tensor([[s, t] for s in (1, 2) for t in range(4)], device=device), 25000).cpu()
+    assert abs(draws.mean().item() - 1) < 0.01, draws.mean()
+    for cut in (0.1, 1.0, 3.0):
+        assert abs((draws > cut).double().mean().item() - math.exp(-cut)) < 0.005, cut
+    assert abs(torch.corrcoef(draws[:2])[0, 1].item()) < 0.02, "consecutive steps correlate"
+    assert abs(torch.corrcoef(draws[[0, 4]])[0, 1].item()) < 0.02, "neighbouring seeds correlate"
 
 
 # (tokens, hidden, expert intermediate, experts, top-k, skew): skew > 0 draws routing from a few favourite

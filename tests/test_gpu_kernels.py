@@ -67,6 +67,8 @@ def test_race_sampling_kernel_matches_torch(dtype):
     kc.check_race("cuda", dtype, block=512)
     kc.check_masked_race("cuda", dtype, shapes=((64, 49152), (3, 128256)), block=4096)
     kc.check_masked_race("cuda", dtype, block=512)
+    kc.check_race_keyed("cuda", dtype, vocab=128256, block=4096)
+    kc.check_race_keyed("cuda", dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -25,6 +25,7 @@ kc.check_attention("cpu", torch.float32, kc.WINDOW_CASES, atol=1e-4, windows=(1,
 kc.check_linear("cpu", torch.float32, kc.LINEAR_SHAPES, [(16, 64, 1, 2), (32, 64, 4, 2)], exact=False)
 kc.check_race("cpu", torch.float32)
 kc.check_masked_race("cpu", torch.float32)
+kc.check_race_keyed("cpu", torch.float32)
 kc.check_take_pending("cpu")
 kc.check_moe("cpu", torch.float32, kc.MOE_CASES)
 print("kernels ok")
@@ -126,17 +127,24 @@ from tidyrun.synthetic import write_random_checkpoint
 ckpt = write_random_checkpoint(sys.argv[1], "llama-tiny", device="cpu")
 prompts = ["the quick brown fox jumps over the lazy dog " * 3 + "and runs", "a", "def main():\\n    print('hi')\\n" * 2]
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 4, 7)]
-sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=9, ignore_eos=True)
+def sampled(seed, n=9, **kw):
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=n, ignore_eos=True, **kw)
 rollout = [SamplingParams(temperature=t, seed=5, max_tokens=6, ignore_eos=True, logprobs=0) for t in (0, 1.0)]
 # Penalties: the forward launched ahead, the step sampled after the step before is booked (launch(defer=True)).
-penalised = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, repetition_penalty=1.5) for n in (7, 5)]
+penalised = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, repetition_penalty=1.5),
+             sampled(11, 5, repetition_penalty=1.5)]
+GREEDY = [0, 1, 2, 5, 7]  # the rows of run()'s outputs that are greedy
 
 def run(**kw):
     with LLM(ckpt, device="cpu", dtype="float32", max_num_batched_tokens=24, **kw) as llm:
-        out = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:2], sampled, use_tqdm=False)
+        out = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:2], sampled(3), use_tqdm=False)
         out += llm.generate(prompts[:2], rollout, use_tqdm=False)  # RL records, launched ahead too
         out += llm.generate(prompts[:2], penalised, use_tqdm=False)
+        # A seeded request alone, then among others (one asks logprobs=0: the race's logprob pass for all).
+        out += llm.generate(prompts[1:2], sampled(7, 4), use_tqdm=False)
+        out += llm.generate(prompts, [sampled(3, 4, logprobs=0), sampled(7, 4), sampled(5, 4)], use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in out]
+        assert tokens[9] == tokens[11], "a seeded draw depends on the batch or on the logprob pass"
         return tokens, [v.logprob for o in out if o.outputs[0].logprobs for d in o.outputs[0].logprobs for v in d.values()]
 
 reference, reference_logprobs = run()
@@ -144,6 +152,11 @@ ModelRunner._choose_ops = lambda self, config: TritonOps(num_sms=4, ctx=self.ctx
 # Graphs run eagerly on their own input layout (as in the engine test above): decode steps take their
 # pending tokens into the padded graph inputs, prefill chunks run eager.
 """ + GRAPH_EMULATION + """ModelRunner._graph_sizes = lambda self, config: {1: (1, 2, 4)}
+# The Triton race draws a sampled row's noise from its key (seed, token index), not from its generator:
+# its greedy rows are the torch path's, its sampled rows its own synchronous run's.
+synced, synced_logprobs = run()
+assert [synced[i] for i in GREEDY] == [reference[i] for i in GREEDY], "the Triton path's greedy tokens differ"
+assert synced != reference
 launched = []
 real_launch = ModelRunner.launch
 ModelRunner.launch = lambda self, batch, after, **kw: launched.append(after is not None) or real_launch(self, batch, after, **kw)
@@ -151,9 +164,9 @@ deferred = []
 real_sample = ModelRunner.sample_launched
 ModelRunner.sample_launched = lambda self, step: deferred.append(step.tokens is None) or real_sample(self, step)
 tokens, logprobs = run(async_scheduling=True)
-assert tokens == reference, "async scheduling on the Triton path differs"
-assert len(logprobs) == len(reference_logprobs) == 12, logprobs
-assert max(abs(a - b) for a, b in zip(logprobs, reference_logprobs)) <= 1e-4, (logprobs, reference_logprobs)
+assert tokens == synced, "async scheduling on the Triton path differs"
+assert len(logprobs) == len(synced_logprobs) == len(reference_logprobs) == 16, logprobs
+assert max(abs(a - b) for a, b in zip(logprobs, synced_logprobs)) <= 1e-4, (logprobs, synced_logprobs)
 assert sum(launched) > 10, launched  # steps ran ahead, feeding each other on the device
 assert sum(deferred) >= 5, deferred  # the penalised steps were sampled after booking
 print("async ok")
@@ -162,7 +175,9 @@ print("async ok")
 
 def test_async_scheduling_triton_path_under_interpreter(tmp_path):
     """Async scheduling on the Triton path (pending tokens taken by the kernel, tokens back through the
-    pinned slots, graph input layouts): the torch path's tokens."""
+    pinned slots, graph input layouts, sampled rows keyed by their token's index, deferred steps too): the
+    synchronous Triton path's tokens and logprobs; greedy rows the torch path's; a seeded request draws the
+    same tokens alone and batched."""
     proc = subprocess.run([sys.executable, "-c", ASYNC_SCRIPT, str(tmp_path / "ckpt")], env=interpreter_env(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -10,11 +10,14 @@ import torch
 from .sampling_params import SamplingParams
 
 
+_INT63 = 2**63 - 1  # a generator's seed as an int64 key (the engine's seeds are below 2**63)
+
 RaceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
 class RaceDraw(NamedTuple):
-    """The racing rows of a batch (indices) and their noise and scale (``race_inputs``; None without rows)."""
+    """The racing rows of a batch (indices), their noise (float32 [R, vocab] Exp(1) draws, or int64 [R, 2] keys
+    a keyed race draws them from) and scale (``Sampler.race_noise``); None without rows."""
     rows: list[int]
     noise: torch.Tensor | None
     scale: torch.Tensor | None
@@ -31,21 +34,28 @@ class Sampler:
     top_k, top_p, min_p all off) skips the sort of the vocabulary: it takes
     the exponential race, ``race`` (the runner's ops: one Triton pass on
     CUDA, ``race_sample`` elsewhere), which also gives its log-probability.
-    Holds no device memory between calls.
+    With ``keyed`` (the Triton race), a racing row's noise is not drawn from
+    its generator: the kernel draws it from the row's key, its generator's
+    seed and ``steps[i]`` (the output index of the token it samples), one
+    small copy for the batch instead of a launch per row (see
+    ``race_noise``); a row's draws still depend only on its own seed and
+    position. Holds no device memory between calls.
     """
 
-    def __init__(self, race: RaceFn | None = None) -> None:
+    def __init__(self, race: RaceFn | None = None, keyed: bool = False) -> None:
         self.race = race or race_sample
+        self.keyed = keyed
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None], race: RaceDraw | None = None) -> torch.Tensor:
-        """One token per row. ``race``: the racing rows' noise from ``draw_race`` on these params and
-        generators, drawn earlier (None: drawn here)."""
+                 generators: Sequence[torch.Generator | None], race: RaceDraw | None = None,
+                 steps: Sequence[int] | None = None) -> torch.Tensor:
+        """One token per row. ``race``: the racing rows' noise from ``draw_race`` on these params, generators
+        and steps, drawn earlier (None: drawn here)."""
         tokens = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             return tokens
         vocab, dev = logits.shape[-1], logits.device
-        race = race or self.draw_race(logits, params, generators)
+        race = race or self.draw_race(logits, params, generators, steps)
         if race.rows:
             sub = logits if len(race.rows) == len(params) else logits[torch.tensor(race.rows, device=dev)]
             picks, _ = self.race(sub, race.noise, race.scale, False)
@@ -59,28 +69,44 @@ class Sampler:
             tokens[filtered] = order[torch.arange(len(filtered), device=dev), picks]
         return tokens
 
-    @staticmethod
-    def draw_race(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator | None]) -> RaceDraw:
-        """The noise of the rows that race (sampled, ``unfiltered``), drawn now from their generators: the same
-        draws ``__call__`` makes. Only the logits' shape and device matter, so a caller whose logits are
-        not final yet (a grammar mask still being filled on another thread) draws it first: on the H200
-        host, 64 seeded rows take ~1 ms of kernel launches, which then overlap the mask's fill."""
+    def draw_race(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None], steps: Sequence[int] | None = None) -> RaceDraw:
+        """The noise of the rows that race (sampled, ``unfiltered``), drawn now: the same draws ``__call__``
+        makes. Only the logits' shape and device matter, so a caller whose logits are not final yet (a
+        grammar mask still being filled on another thread) draws it first: on the H200 host, 64 rows drawn
+        from their generators take ~1 ms of kernel launches, which then overlap the mask's fill."""
         vocab = logits.shape[-1]
         rows = [i for i, p in enumerate(params) if not p.greedy and unfiltered(p, vocab)]
         if not rows:
             return RaceDraw(rows, None, None)
-        noise, scale = race_inputs((len(rows), vocab), logits.device, [params[i] for i in rows],
-                                   [generators[i] for i in rows])
+        noise, scale = self.race_noise((len(rows), vocab), logits.device, [params[i] for i in rows],
+                                       [generators[i] for i in rows], None if steps is None else [steps[i] for i in rows])
         return RaceDraw(rows, noise, scale)
 
+    def race_noise(self, shape: tuple[int, int], dev: torch.device, params: Sequence[SamplingParams],
+                   generators: Sequence[torch.Generator | None],
+                   steps: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The race's noise and scale for the rows ``params`` (``race_inputs``'s). Keyed, when every sampled
+        row has its generator (the engine gives each one), the noise is int64 [B, 2] keys (the generator's
+        seed, ``steps[i]``) instead: one small copy, not one ``exponential_`` launch per row; ``steps`` is then
+        required (a row keyed by the wrong step would repeat its draws)."""
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not self.keyed or not sampled or any(generators[i] is None for i in sampled):
+            return race_inputs(shape, dev, params, generators)
+        if steps is None or len(steps) != len(params):
+            raise ValueError("a keyed race needs each row's step (the output index of the token it samples)")
+        keys = torch.tensor([[0 if g is None else g.initial_seed() & _INT63, n] for g, n in zip(generators, steps)],
+                            dtype=torch.int64)
+        return keys.to(dev, non_blocking=True), race_scale(params, dev)
+
     def race_packed(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                    generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+                    generators: Sequence[torch.Generator | None],
+                    steps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """For rows that are all greedy or ``unfiltered`` (the caller's to check, once per sequence: a
         filtered row would be sampled from its whole distribution): one race over the batch, on the device:
         the tokens (int64) and float64 rows (token, raw log-probability, rank). The tokens are those
-        ``__call__`` draws from the same generators."""
-        return self.race(logits, *race_inputs(logits.shape, logits.device, params, generators), True)
+        ``__call__`` draws from the same generators and steps."""
+        return self.race(logits, *self.race_noise(logits.shape, logits.device, params, generators, steps), True)
 
     def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """The distribution [rows, vocab] each (non-greedy) row samples from, after all filters."""
@@ -136,9 +162,14 @@ def race_inputs(shape: tuple[int, int], dev: torch.device, params: Sequence[Samp
     else:
         for i in sampled:
             noise[i].exponential_(generator=generators[i])
+    return noise, race_scale(params, dev)
+
+
+def race_scale(params: Sequence[SamplingParams], dev: torch.device) -> torch.Tensor:
+    """The race's scale (float32 [B, 2] on ``dev``): 1 / temperature and 1 for sampled rows, 1 and 0 for greedy."""
     scale = torch.tensor([[1.0, 0.0] if p.greedy else [1.0 / p.temperature, 1.0] for p in params],
                          dtype=torch.float32)
-    return noise, scale.to(dev, non_blocking=True)
+    return scale.to(dev, non_blocking=True)
 
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
@@ -149,6 +180,8 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
     only, which samples the masked distribution. With ``want_logprob`` also float64 [B, 3] rows of (token,
     log-probability under softmax(logits), 1-based rank): the raw log-probability, before temperature and
     mask, as vLLM's "raw_logprobs". The reference of the Triton kernels in ``tidyrun.kernels.race``."""
+    if noise.dtype == torch.int64:
+        raise ValueError("the torch race takes drawn noise, not keys (only the Triton race draws from keys)")
     x = logits.float()
     gumbel = torch.where(scale[:, 1:] != 0, noise.clamp_min(1e-30).log(), 0.0)
     race = x * scale[:, :1] - gumbel

@@ -76,6 +76,15 @@ def deferrable(seq: "Sequence") -> bool:
     return not seq.draft_tokens and seq.prompt_logprobs is None and seq.params.logprobs in (None, 0)
 
 
+def draw_steps(seqs: list["Sequence"], launched: bool = False) -> list[int]:
+    """Each sequence's step in the key of its race noise (``Sampler``, keyed): the output index of the token
+    its step samples, whatever the scheduling: tokens on the host plus those of steps still running, minus
+    the step's own when its launch is already booked (``launched``: ``ModelRunner.sample_launched``). A
+    request's seeded draws then depend only on its seed and this index, not on the batch or on async
+    scheduling."""
+    return [len(s.token_ids) + s.num_pending - s.num_prompt_tokens - launched for s in seqs]
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -28,6 +28,7 @@ class TorchOps:
     """Reference implementations in plain torch (any device)."""
 
     name = "torch"
+    keyed_race = False  # race_sample takes drawn noise (see the Triton ops)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
@@ -52,7 +53,8 @@ class TorchOps:
     def race_sample(self, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor, want_logprob: bool,
                     bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sampled (or greedy) tokens by the exponential race (among a grammar ``bitmask``'s allowed tokens),
-        and optionally (token, logprob, rank) rows."""
+        and optionally (token, logprob, rank) rows. ``noise``: Exp(1) draws (the Triton race also takes
+        int64 [rows, 2] keys, ``keyed_race``)."""
         return race_sample(logits, noise, scale, want_logprob, bitmask)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -117,6 +119,7 @@ class TritonOps(TorchOps):
     """
 
     name = "triton"
+    keyed_race = True  # race_sample also takes each row's key and draws its noise in the kernel
 
     def __init__(self, num_sms: int, ctx: ForwardContext | None = None, float32_kernels: bool = False,
                  batch_invariant: bool = False) -> None:

@@ -48,10 +48,10 @@ from ..model.sharding import TPShard
 from ..report import ShutdownReport
 from ..resources import ResourceLedger, drop_traceback_locals, free_device_caches
 from ..logits_process import process_logits, stop_token_bans
-from ..sampling import Sampler, logprob_records, pack_records, race_inputs, unpack_records
+from ..sampling import Sampler, logprob_records, pack_records, unpack_records
 from ..scheduler import ScheduledBatch
 from ..sequence import (NO_TOP, PromptLogprobRecords, SampledTokens, Sequence, StepOutput, TokenLogprob,
-                        deferrable, launchable)
+                        deferrable, draw_steps, launchable)
 from ..spec_decode import accept_greedy, verify_drafts
 from ..structured import PendingMasks
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
@@ -118,7 +118,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.ctx = ForwardContext()
         self.ops = self._choose_ops(config)
-        self.sampler = Sampler(self.ops.race_sample)
+        self.sampler = Sampler(self.ops.race_sample, keyed=self.ops.keyed_race)
         self.graph_sizes = self._graph_sizes(config)
         self.last_transfer: dict[str, float] = {}
         gpu_memory = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
@@ -519,15 +519,16 @@ class ModelRunner:
                 index = None if every else torch.tensor(live, device=step.logits.logits.device)
                 logits, greedy, greedy_logprob = (t if t is None or every else t[index] for t in step.logits)
                 one_pass = self._one_pass_logprobs(rows)
+                steps = draw_steps(rows, launched=True)
                 if one_pass is not None:  # its processed sequences have finished: the records execute takes
-                    picked, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, rows)
+                    picked, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, rows, steps)
                     at = live
                 elif masks is not None and self._masked_one_pass(rows):
-                    picked, records = self._masked_race(logits, greedy_logprob, rows, masks)
+                    picked, records = self._masked_race(logits, greedy_logprob, rows, masks, steps)
                     at = live
                 else:  # the rows that asked, as execute has them (a logsumexp over other rows may round otherwise)
                     lp = [j for j, s in enumerate(rows) if s.params.logprobs is not None]
-                    picked, records = self._draw_rows(logits.float(), rows, masks, lp, [0] * len(lp))
+                    picked, records = self._draw_rows(logits.float(), rows, masks, lp, [0] * len(lp), steps)
                     at = [live[j] for j in lp]
             finally:
                 if masks is not None:
@@ -560,7 +561,7 @@ class ModelRunner:
         greedy, else the sampler's draw (temperature, top-k/p, min-p)."""
         if all(s.greedy for s in seqs):
             return self.ops.argmax(logits) if greedy is None else greedy
-        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], steps=draw_steps(seqs))
 
     def _execute(self, batch: ScheduledBatch, host: HostBatch, seqs: list[Sequence],
                  prompt_rows: list[PromptRows], masks: PendingMasks | None) -> StepOutput:
@@ -599,14 +600,16 @@ class ModelRunner:
         return "greedy" if all(s.greedy for s in seqs) else "race"
 
     def _one_pass_records(self, mode: str, logits: torch.Tensor, greedy: torch.Tensor | None,
-                          greedy_logprob: torch.Tensor | None,
-                          seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+                          greedy_logprob: torch.Tensor | None, seqs: list[Sequence],
+                          steps: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens and their float64 records (token, raw log-probability, rank), on the device, from the
         pass that picks the tokens (``_one_pass_logprobs``'s ``mode``): "greedy", the argmax pass (inside
         the CUDA graph when one ran; the argmax's rank is 1 by definition, so nothing else needs the
-        vocabulary); "race", one race over the batch, the tokens the sampler draws from the same generators."""
+        vocabulary); "race", one race over the batch, the tokens the sampler draws from the same generators.
+        ``steps``: ``draw_steps`` of ``seqs`` (None: computed here, for a step not booked yet)."""
         if mode == "race":
-            tokens, records = self.sampler.race_packed(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            tokens, records = self.sampler.race_packed(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                                       draw_steps(seqs) if steps is None else steps)
             # A greedy row's token from the race is the argmax (first on ties), but on the GPU the race's
             # logsumexp rounds otherwise than the argmax kernel's (H100: 64x49152 rows differed), and async
             # scheduling keeps a finished sampled row one step longer: the same greedy row would take "race"
@@ -645,19 +648,21 @@ class ModelRunner:
                    for s in seqs)
 
     def _masked_race(self, logits: torch.Tensor, greedy_logprob: torch.Tensor | None, seqs: list[Sequence],
-                     masks: PendingMasks) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     masks: PendingMasks, steps: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens (and, when some sequence asked, (token, raw logprob, rank) rows for all) of a
         ``_masked_one_pass`` step, on the device: one race over the logits in the model's dtype that reads
         the grammars' int32 bitmask itself. For seeded rows the processed path's tokens (float copy,
-        ``apply_bitmask``, the sampler: each generator draws the same noise; unseeded rows draw theirs from the
-        global generator in one batch of another shape), its raw records up to the rounding of another
-        logsumexp on the GPU; without its copy, unpacking launches and per-row rules: on the H100 host those cost
-        ~0.5 ms of a 64-row JSON step (docs/BENCHMARKS.md). The noise is drawn while the masks fill."""
+        ``apply_bitmask``, the sampler: each row races the same noise, from its generator or its key; unseeded
+        rows draw theirs from the global generator in one batch of another shape), its raw records up to the
+        rounding of another logsumexp on the GPU; without its copy, unpacking launches and per-row rules: on the
+        H100 host those cost ~0.5 ms of a 64-row JSON step (docs/BENCHMARKS.md). The noise (or its keys) is
+        prepared while the masks fill. ``steps``: as in ``_one_pass_records``."""
         grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not masks.serve([seqs[i].grammar for i in grammar_rows]):
             raise RuntimeError("_masked_race: the pending masks are not those of this step's grammar rows")
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        noise, scale = race_inputs(logits.shape, logits.device, params, generators)
+        noise, scale = self.sampler.race_noise(logits.shape, logits.device, params, generators,
+                                               draw_steps(seqs) if steps is None else steps)
         bitmask = masks.wait()
         if len(masks.states) < len(seqs):  # plain rows beside: every token allowed
             # numpy, on this thread only: torch's CPU fill of a mask this size wakes its OpenMP threads, which
@@ -698,7 +703,7 @@ class ModelRunner:
         """Tokens of one sequence's step from its rows of logits (1 + drafts)."""
         if not seq.draft_tokens:
             self._ban_stop_tokens_below_min(logits, [seq])
-            return self.sampler(logits.float(), [seq.params], [seq.generator]).tolist()
+            return self.sampler(logits.float(), [seq.params], [seq.generator], steps=draw_steps([seq])).tolist()
         if seq.params.greedy:
             return accept_greedy(seq.draft_tokens, self.ops.argmax(logits).tolist())
         return verify_drafts(self.sampler, logits.float(), seq.draft_tokens, seq.params, seq.generator)
@@ -736,9 +741,10 @@ class ModelRunner:
         return [(t, by_row.get(j)) for j, t in enumerate(tokens.tolist())]
 
     def _draw_rows(self, logits: torch.Tensor, seqs: list[Sequence], masks: PendingMasks | None, lp: list[int],
-                   ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   ks: list[int], steps: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``_sample_rows`` on the device: the tokens (int64) and, for rows ``lp``, their records packed
-        (``pack_records``, top-k ``ks``; None without rows), in this engine's ``logprobs_mode``."""
+        (``pack_records``, top-k ``ks``; None without rows), in this engine's ``logprobs_mode``. ``steps``: as
+        in ``_one_pass_records``."""
         mode = self.config.logprobs_mode
         every = len(lp) == len(seqs)
         index = None if every else torch.tensor(lp, device=logits.device)
@@ -748,9 +754,10 @@ class ModelRunner:
             raw = logits if every and untouched else None
             raw = (logits.clone() if every else logits[index]) if raw is None else raw
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        race = self.sampler.draw_race(logits, params, generators)  # needs no logits: drawn while masks fill
+        steps = draw_steps(seqs) if steps is None else steps
+        race = self.sampler.draw_race(logits, params, generators, steps)  # needs no logits: drawn while masks fill
         process_logits(logits, seqs, self.eos_token_ids, masks)
-        tokens = self.sampler(logits, params, generators, race)
+        tokens = self.sampler(logits, params, generators, race, steps)
         if not lp:
             return tokens, None
         if raw is not None:
