@@ -262,9 +262,9 @@ def test_tensor_parallel_level2_push_and_reload(tmp_path):
         assert greedy(llm) == before
 
 
-def model_load_weights(runner, pairs):
+def model_load_weights(worker, pairs):
     """vLLM's spelling inside a ``collective_rpc`` function: the model's own ``load_weights``."""
-    return len(runner.model.load_weights(pairs))
+    return len(worker.model_runner.model.load_weights(pairs))
 
 
 def test_a_collective_rpc_function_that_loads_through_the_model_fills_the_weights(engine, tiny_llama_dir, tmp_path):

@@ -130,7 +130,9 @@ REFUSED = [
     ("max_lora_rank", 0, "an int >= 1"),
     ("task", "classify", "no classification"),
     ("runner", "draft", "no classification"),
-    ("worker_extension_cls", "trl.scripts.vllm_serve.WeightSyncWorkerExtension", "collective_rpc"),
+    ("worker_extension_cls", "trl.scripts.vllm_serve.WeightSyncWorkerExtension", "cannot be imported"),
+    ("worker_extension_cls", "NoDots", "'package.module.Class' path"),
+    ("worker_extension_cls", "os.path.join", "is not a class"),
     ("generation_config", "/some/folder", "'auto'.*'vllm'"),
 ]
 
@@ -431,9 +433,30 @@ def test_weight_pushes_through_llm_engine_and_load_weights(neutral, reference):
         neutral.llm_engine.model = None  # read-only: there is nothing to replace
 
 
-def runner_facts(runner, extra):
-    """A collective_rpc function: what it received."""
-    return type(runner).__name__, runner.shard.rank, extra
+def runner_facts(worker, extra):
+    """A collective_rpc function: what it received (vLLM's worker attributes, the runner's own passed through)."""
+    assert worker.shard.rank == worker.rank
+    return type(worker.model_runner).__name__, worker.rank, extra
+
+
+def echo_rank(self):
+    """vLLM's own collective_rpc test function."""
+    return self.rank
+
+
+class WeightSyncExtension:
+    """A worker_extension_cls as vLLM's RLHF examples write one: state kept on the worker between calls, weights
+    pushed through ``self.model_runner.model.load_weights``."""
+
+    def init_sync(self, scale):
+        self.scale = scale
+        return self.rank
+
+    def update_weight(self, name, tensor):
+        return self.model_runner.model.load_weights(weights=[(name, tensor * self.scale)])
+
+    def report_device(self):
+        return str(self.device), self.local_rank
 
 
 def test_collective_rpc(dummy, neutral, reference):
@@ -442,26 +465,55 @@ def test_collective_rpc(dummy, neutral, reference):
     assert dummy.collective_rpc("load_weights", kwargs={"weights": iter(real)}) == [len(real)]
     assert greedy(dummy) == reference  # the same as an engine that read the checkpoint
     assert dummy.collective_rpc(runner_facts, args=("x",)) == [("ModelRunner", 0, "x")]
+    assert dummy.collective_rpc(echo_rank) == [0]
     with pytest.raises(InvalidRequestError, match="unsupported method 'execute_model'.*'reload_weights'.*"
                                                   "'load_weights'.*or pass a function"):
         dummy.collective_rpc("execute_model")
+    with pytest.raises(InvalidRequestError, match="unsupported method 'init_sync'"):  # no extension here
+        dummy.collective_rpc("init_sync", args=(1.0,))
     with pytest.raises(InvalidRequestError, match=r"timeout=5\.0\) is not supported"):
         dummy.collective_rpc("load_weights", timeout=5.0, kwargs={"weights": []})
 
 
 def test_a_collective_rpc_function_loads_weights_one_at_a_time_as_in_vllm(tiny_llama_dir):
-    """``runner.model.load_weights([(name, tensor)])`` inside a function loads that one tensor (vLLM's
+    """``self.model_runner.model.load_weights([(name, tensor)])`` inside a function loads that one tensor (vLLM's
     ``model.load_weights`` takes any subset: TRL's weight-sync extension pushes one parameter per call); it
     was refused as a checkpoint missing every other weight."""
     llm = LLM(tiny_llama_dir, device="cpu", max_model_len=64, kv_cache_memory=1 << 20)
     try:
         before = greedy(llm)
         name, tensor = next(n_t for n_t in llm.source.iter_weights() if n_t[0] == "model.norm.weight")
-        push = lambda runner, value: runner.model.load_weights([(name, value)])  # noqa: E731
+        push = lambda worker, value: worker.model_runner.model.load_weights([(name, value)])  # noqa: E731
         assert llm.collective_rpc(push, args=(torch.zeros_like(tensor),)) == [{name}]
         assert llm.reset_prefix_cache() and greedy(llm) != before
         assert llm.collective_rpc(push, args=(tensor,)) == [{name}]
         assert llm.reset_prefix_cache() and greedy(llm) == before
+    finally:
+        llm.shutdown()
+
+
+def test_worker_extension_cls_methods_run_by_name_and_keep_their_state(tiny_llama_dir):
+    """``LLM(worker_extension_cls=...)`` (a class, or its "module.Class" path): ``collective_rpc("name")`` runs
+    that method with the rank's worker as ``self`` (``model_runner.model.load_weights``, ``rank``, ``device``),
+    and what one call sets on ``self`` the next one finds, as vLLM's RLHF examples rely on."""
+    from tidyrun.runner.rpc import load_extension
+
+    assert load_extension("test_vllm_api.WeightSyncExtension") is WeightSyncExtension
+    llm = LLM(tiny_llama_dir, device="cpu", max_model_len=64, kv_cache_memory=1 << 20,
+              worker_extension_cls=WeightSyncExtension)
+    try:
+        before = greedy(llm)
+        assert llm.collective_rpc("report_device") == [("cpu", 0)]
+        name, tensor = next(n_t for n_t in llm.source.iter_weights() if n_t[0] == "model.norm.weight")
+        assert llm.collective_rpc("init_sync", args=(0.0,)) == [0]
+        assert llm.collective_rpc("update_weight", args=(name, tensor)) == [{name}]
+        assert llm.reset_prefix_cache() and greedy(llm) != before
+        llm.collective_rpc("init_sync", args=(1.0,))
+        assert llm.collective_rpc("update_weight", kwargs={"name": name, "tensor": tensor}) == [{name}]
+        assert llm.reset_prefix_cache() and greedy(llm) == before
+        with pytest.raises(InvalidRequestError, match="unsupported method 'execute_model'.*WeightSyncExtension: "
+                                                      "init_sync, report_device, update_weight"):
+            llm.collective_rpc("execute_model")
     finally:
         llm.shutdown()
 
@@ -496,9 +548,9 @@ def test_dummy_weights_have_the_checkpoints_names_and_shapes(dummy, hf_tokenizer
     assert {n: tuple(t.shape) for n, t in open_model_source(qwen, load_format="dummy").iter_weights()} == shapes
 
 
-def refuse(runner):
+def refuse(worker):
     """A collective_rpc function that fails on every rank alike."""
-    raise ValueError(f"refused on rank {runner.shard.rank}")
+    raise ValueError(f"refused on rank {worker.rank}")
 
 
 def test_collective_rpc_reaches_every_tensor_parallel_rank(tmp_path):

@@ -44,7 +44,7 @@ from .pooling_params import PoolingParams
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
-from .runner.rpc import call_on_rank, check_rpc_method
+from .runner.rpc import call_on_rank, check_rpc_method, load_extension
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, streamable_length
@@ -267,6 +267,7 @@ class LLM:
         self.runner: ModelRunner | None = None
         # Every keyword is checked before any file is opened.
         check_no_effect_options(options)
+        self._extension = load_extension(worker_extension_cls)  # collective_rpc's names beyond RPC_METHODS
         if config is None:
             config = engine_config(model, options)
         else:
@@ -448,13 +449,17 @@ class LLM:
 
         ``method`` is "reload_weights" (re-read the weights from the model
         source), "load_weights" (``kwargs={"weights": pairs}``, as
-        ``load_weights``), or a function called as ``method(runner, *args,
-        **kwargs)`` with each rank's ModelRunner (with tensor_parallel_size > 1
-        it is pickled to the worker processes: a module-level function).
+        ``load_weights``), the name of a method of ``worker_extension_cls``, or
+        a function; either of the last two is called as ``method(worker, *args,
+        **kwargs)`` with each rank's ``runner.rpc.RankWorker``, as vLLM calls it
+        with its worker: ``worker.model_runner.model``, ``worker.rank``,
+        ``worker.device``, what earlier calls set on it, and the runner's own
+        methods (with tensor_parallel_size > 1 it is pickled to the worker
+        processes: a module-level function or class).
         After the named methods the prefix cache is reset; after a function
         that changes weights, call ``reset_prefix_cache()`` (as with vLLM).
-        A function may push weights with ``runner.model.load_weights(pairs)``
-        (vLLM's spelling) or ``runner.update_weights(pairs)``: either way the
+        A function may push weights with ``worker.model_runner.model.load_weights(pairs)``
+        (vLLM's spelling) or ``worker.update_weights(pairs)``: either way the
         runner counts them as loaded (after ``sleep(level=2)`` it generates
         again once every weight is back), and while the weights sleep either is
         refused with EngineSleepingError.
@@ -462,7 +467,7 @@ class LLM:
         timeout or fail.
         """
         self._check_alive()
-        check_rpc_method(method)
+        method = check_rpc_method(method, self._extension)
         if timeout is not None:
             raise InvalidRequestError(f"collective_rpc(timeout={timeout!r}) is not supported: calls run to the end "
                                       "(a tensor-parallel rank that stops answering fails them); pass None")

@@ -86,13 +86,11 @@ NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
                         "every tidyrun engine generates and embeds (llm.embed, llm.score); it has no classification "
                         "or cross-encoder heads"),
     "worker_cls": _Accepted(lambda v: v == "auto", "'auto'", "tidyrun runs no vLLM workers"),
-    "worker_extension_cls": _Accepted(lambda v: v in ("", None), "''",
-                                      "tidyrun runs no vLLM workers to extend; pass a function to "
-                                      "llm.collective_rpc, which calls it with each rank's runner"),
 })
 
-# Every keyword check_no_effect_options checks (and that LLM(config=...) therefore does not count as a conflict).
-CHECKED_APART = frozenset(NO_EFFECT)
+# Every keyword checked on its own, config or not (and that LLM(config=...) therefore does not count as a
+# conflict): NO_EFFECT's, and worker_extension_cls (the facade's: runner.rpc.load_extension).
+CHECKED_APART = frozenset(NO_EFFECT) | {"worker_extension_cls"}
 
 
 def check_no_effect_options(options: Mapping[str, Any]) -> None:

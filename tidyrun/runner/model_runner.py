@@ -119,6 +119,7 @@ class ModelRunner:
         self.ctx = ForwardContext()
         self.ops = self._choose_ops(config)
         self.sampler = Sampler(self.ops.race_sample, keyed=self.ops.keyed_race)
+        self.rpc_worker = None  # collective_rpc's RankWorker (rpc.call_on_rank), made on first use
         self.graph_sizes = self._graph_sizes(config)
         self.last_transfer: dict[str, float] = {}
         gpu_memory = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
@@ -857,6 +858,7 @@ class ModelRunner:
             errors.append(f"device synchronize failed: {exc}")
         released = self.ledger.bytes_by_owner()
         errors += self.lifecycle.shutdown()
+        self.rpc_worker = None  # what collective_rpc calls kept on it lives as long as the runner runs
         if self.tp_group is not None:  # a group whose row never acquired still holds its store
             self.tp_group.destroy()
         try:
