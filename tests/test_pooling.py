@@ -70,6 +70,32 @@ def test_normalized_embeddings_and_score(llm):
     assert cut.prompt_token_ids == last and torch.allclose(vectors([cut]), vectors(llm.embed([last])), atol=1e-5)
 
 
+def test_encode_is_embed_as_tensors_and_heads_are_refused(llm):
+    """vLLM's ``encode(prompts, pooling_params, pooling_task=)``: "embed" (or None) gives ``embed``'s vectors as
+    PoolingRequestOutput tensors (``.outputs.data``); tasks that need a classification/reward head or a vector
+    per token, and ``classify`` / ``reward``, are refused with InvalidRequestError naming what there is."""
+    e = vectors(llm.embed(TEXTS))
+    for task in (None, "embed"):
+        out = llm.encode(TEXTS, pooling_task=task)
+        assert [type(o).__name__ for o in out] == ["PoolingRequestOutput"] * 3
+        assert all(o.outputs.data.dtype == torch.float32 and o.outputs.data.shape == (576,) for o in out)
+        assert torch.allclose(torch.stack([o.outputs.data for o in out]), e, atol=1e-6)
+        assert [o.prompt_token_ids for o in out] == [llm.tokenizer.encode(t) for t in TEXTS]
+    raw = llm.encode(TEXTS[:1], PoolingParams(normalize=False), pooling_task="embed")[0].outputs.data
+    assert torch.allclose(F.normalize(raw, dim=0), e[0], atol=1e-5) and abs(raw.norm().item() - 1) > 1e-3
+    for task, match in (("classify", "classification or reward head"), ("token_classify", "reward head"),
+                        ("score", "cosine similarity"), ("token_embed", "a vector per token"),
+                        ("encode", "a vector per token"), ("embedding", "must be 'embed'")):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.encode(TEXTS, pooling_task=task)
+    with pytest.raises(InvalidRequestError, match="tokenization_kwargs"):
+        llm.encode(TEXTS, pooling_task="embed", tokenization_kwargs={"truncation": True})
+    with pytest.raises(InvalidRequestError, match=r"llm\.classify needs a classification"):
+        llm.classify(TEXTS)
+    with pytest.raises(InvalidRequestError, match=r"llm\.reward needs"):
+        llm.reward(TEXTS)
+
+
 def test_embedding_batches_are_split_by_token_budget(tiny_llama_dir):
     with LLM(tiny_llama_dir, device="cpu", max_num_batched_tokens=8, max_model_len=64) as small:
         ids = [list(range(5, 5 + n)) for n in (3, 7, 12, 2)]  # 12 > budget: a group of its own

@@ -6,15 +6,15 @@ from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestErr
                      PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError, WeightsNotLoadedError,
                      WorkerDiedError, WorkerError)
 from .inputs import TextPrompt, TokensPrompt
-from .outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
-                      ScoringRequestOutput)
+from .outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
+                      RequestOutput, ScoringOutput, ScoringRequestOutput)
 from .pooling_params import PoolingParams
 from .sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = (
     "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
     "TextPrompt", "TokensPrompt", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
-    "ScoringRequestOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "TidyrunError", "ModelLoadError",
+    "ScoringRequestOutput", "PoolingOutput", "PoolingRequestOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "TidyrunError", "ModelLoadError",
     "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
     "EngineShutdownError", "EngineSleepingError", "WeightsNotLoadedError", "ResourceLeakError", "WorkerError",
     "WorkerDiedError")

@@ -30,15 +30,15 @@ from .distributed.driver import TPDriverRunner
 from .distributed.external import LaunchedRankRunner, join_launch
 from .engine_args import CHECKED_APART, check_no_effect_options, engine_config
 from .errors import EngineShutdownError, InvalidRequestError
-from .intake import (Prompt, PromptType, RequestIntake, check_no_priority, check_text_only, pooling_normalize,
-                     score_pairs)
+from .intake import (Prompt, PromptType, RequestIntake, check_no_priority, check_pooling_task, check_text_only,
+                     no_head, pooling_normalize, score_pairs)
 from .kv_cache import BlockPool
 from .llm_engine import WeightSyncPath
 from .loader import generation_defaults, open_engine_source, open_engine_tokenizer
 from .logprobs import prompt_logprobs, sample_logprobs
 from .metrics_reader import Metric, metrics_from_stats
-from .outputs import (CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput, embedding_outputs,
-                      scoring_outputs)
+from .outputs import (CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                      ScoringRequestOutput, embedding_outputs, pooling_outputs, scoring_outputs)
 from .pipeline import StepPipeline
 from .pooling_params import PoolingParams
 from .report import ShutdownReport
@@ -760,6 +760,27 @@ class LLM:
         unit = pooling_normalize(pooling_params, normalize)
         token_lists, vectors = self._pooled(prompts, truncate_prompt_tokens, pooling, unit, lora_request)
         return embedding_outputs(f"embd-{next(self._seq_counter)}", token_lists, vectors)
+
+    @_drops_frames_on_error
+    def encode(self, prompts: PromptType | list[PromptType], pooling_params: PoolingParams | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request=None,
+               pooling_task: str | None = None, tokenization_kwargs: dict | None = None,
+               pooling: str = "last") -> list[PoolingRequestOutput]:
+        """vLLM's ``encode``: one PoolingRequestOutput per input (``.outputs.data``, a float32 tensor), for
+        ``pooling_task`` "embed" (or None): ``embed``'s vectors. Other tasks (classify, score, token_embed,
+        token_classify, reward) need heads or per-token outputs tidyrun does not have: InvalidRequestError."""
+        check_pooling_task(pooling_task, tokenization_kwargs)
+        unit = pooling_normalize(pooling_params, None)
+        token_lists, vectors = self._pooled(prompts, truncate_prompt_tokens, pooling, unit, lora_request)
+        return pooling_outputs(f"pool-{next(self._seq_counter)}", token_lists, vectors)
+
+    def classify(self, prompts, *args, **kwargs):
+        """vLLM's ``classify``: refused (InvalidRequestError): tidyrun's models have no classification head."""
+        raise InvalidRequestError(no_head("llm.classify"))
+
+    def reward(self, prompts, *args, **kwargs):
+        """vLLM's ``reward``: refused (InvalidRequestError): tidyrun's models have no reward head."""
+        raise InvalidRequestError(no_head("llm.reward"))
 
     @_drops_frames_on_error
     def score(self, data_1: PromptType | list[PromptType], data_2: PromptType | list[PromptType], *,

@@ -265,6 +265,30 @@ def score_pairs(data_1, data_2) -> tuple[list, list[tuple[int, int]]]:
     return [*first, *second], [(i, n + i) for i in range(n)]
 
 
+def check_pooling_task(task, tokenization_kwargs=None) -> str:
+    """vLLM's ``encode(pooling_task=, tokenization_kwargs=)`` checked: tidyrun pools each input's final hidden
+    states into one vector (``llm.embed``), so None (vLLM's older default) and "embed" are that; tasks that
+    need a classification or reward head, or a vector per token, are InvalidRequestError saying what there is."""
+    if tokenization_kwargs not in (None, {}):
+        raise InvalidRequestError(f"tokenization_kwargs={tokenization_kwargs!r} is not supported: pass "
+                                  "truncate_prompt_tokens to cut inputs (tidyrun tokenizes as the model's tokenizer does)")
+    if task is None or task == "embed":
+        return "embed"
+    if task in ("classify", "score", "token_classify", "reward"):
+        raise InvalidRequestError(no_head(f"pooling_task={task!r}"))
+    if task in ("token_embed", "encode"):
+        raise InvalidRequestError(f"pooling_task={task!r} (a vector per token) is not supported: tidyrun pools each "
+                                  "input into one vector; pass pooling_task='embed' (or call llm.embed)")
+    raise InvalidRequestError(f"pooling_task must be 'embed' (or None), got {task!r}")
+
+
+def no_head(what: str) -> str:
+    """Why a classification, cross-encoder or reward output cannot be had (``pooling_task``, ``LLM.classify``)."""
+    return (f"{what} needs a classification or reward head, which tidyrun's models do not have: tidyrun pools the "
+            "final hidden states into embeddings (llm.embed, llm.encode(pooling_task='embed')) and llm.score "
+            "compares them by cosine similarity")
+
+
 def pooling_normalize(pooling_params, normalize: bool | None) -> bool:
     """Whether embeddings are scaled to unit length: vLLM's ``PoolingParams.normalize`` or tidyrun's
     ``normalize`` keyword (they must agree when both are given); True when neither says."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .logprobs import PromptLogprobs, SampleLogprobs
 
 
@@ -61,6 +63,23 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """vLLM's ``PoolingOutput``: the pooled vector as a tensor (float32, on the CPU)."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One input's pooled output, as vLLM's ``LLM.encode`` returns it (``.outputs.data``)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class ScoringOutput:
     score: float
 
@@ -80,6 +99,12 @@ def embedding_outputs(prefix: str, token_lists: list[list[int]], vectors) -> lis
     """``vectors`` [N, hidden] (the runner's pooled rows) as vLLM's outputs, ids ``prefix-0`` ...``prefix-(N-1)``."""
     return [EmbeddingRequestOutput(f"{prefix}-{i}", EmbeddingOutput(v), ids)
             for i, (ids, v) in enumerate(zip(token_lists, vectors.tolist()))]
+
+
+def pooling_outputs(prefix: str, token_lists: list[list[int]], vectors: torch.Tensor) -> list[PoolingRequestOutput]:
+    """``vectors`` [N, hidden] as vLLM's ``encode`` outputs (each row its own tensor), ids as ``embedding_outputs``."""
+    return [PoolingRequestOutput(f"{prefix}-{i}", PoolingOutput(v.clone()), ids)
+            for i, (ids, v) in enumerate(zip(token_lists, vectors))]
 
 
 def scoring_outputs(prefix: str, token_lists: list[list[int]], vectors, pairs: list[tuple[int, int]],
