@@ -36,7 +36,15 @@ NEUTRAL = dict(trust_remote_code=True, enable_sleep_mode=True, quantization=None
                compilation_config={"cudagraph_capture_sizes": [1, 2]}, kv_cache_dtype="auto",
                limit_mm_per_prompt=None, disable_mm_preprocessor_cache=True, speculative_config=None,
                tokenizer="org/tiny", enable_lora=False, max_lora_rank=16, max_loras=1, task="generate",
-               runner="auto", worker_cls="auto", worker_extension_cls="", generation_config="auto")
+               runner="auto", worker_cls="auto", worker_extension_cls="", generation_config="auto",
+               # the rest of what vLLM's examples pass from EngineArgs' command line, at their defaults
+               pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False, max_seq_len_to_capture=8192,
+               disable_cascade_attn=False, disable_async_output_proc=True, use_v2_block_manager=True,
+               use_tqdm_on_load=False, hf_token=None, served_model_name=None, mm_processor_kwargs=None,
+               allowed_local_media_path="", enable_prompt_embeds=False, logits_processors=None,
+               guided_decoding_backend="xgrammar", structured_outputs_config={"backend": "auto"},
+               scheduling_policy="fcfs", preemption_mode=None, disable_sliding_window=False,
+               override_generation_config=None, kv_transfer_config=None, num_gpu_blocks_override=None)
 
 
 def fake_hub_cache(root, repo_id: str, checkpoint: str) -> str:
@@ -115,7 +123,14 @@ REFUSED = [
     ("load_format", "pt", "not PyTorch .bin/.pt"),
     ("load_format", "bitsandbytes", "load_format must be one of"),
     ("skip_tokenizer_init", True, "needs the tokenizer"),
-    ("enable_chunked_prefill", False, "always splits prefills"),
+    ("enable_chunked_prefill", "yes", "None, True or False"),
+    ("pipeline_parallel_size", 2, "tensor parallelism only"),
+    ("data_parallel_size", 2, "one engine"),
+    ("guided_decoding_backend", "outlines", "llguidance"),
+    ("structured_outputs_config", {"backend": "outlines"}, "llguidance"),
+    ("logits_processors", [lambda ids, logits: logits], "no custom logits processors"),
+    ("disable_sliding_window", True, "changes the model"),
+    ("scheduling_policy", "priority", "first come, first served"),
     ("cpu_offload_gb", 4, "keeps the weights on the device"),
     ("tokenizer_mode", "mistral", "'auto' or 'hf'"),
     ("hf_overrides", {"num_hidden_layers": 1}, "config.json as it is"),
@@ -269,10 +284,11 @@ def test_chat_passes_vllm_arguments_to_the_template(neutral):
     for kwargs, text in cases:
         [out] = neutral.chat(messages, GREEDY, use_tqdm=False, **kwargs)
         assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+        assert out.prompt == text  # the rendered conversation, as vLLM's chat() reports it
     [out] = neutral.chat(messages[:1], GREEDY, False)  # the model's own (ChatML) template
     chatml = tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
     assert chatml.endswith("<|im_start|>assistant\n")
-    assert out.prompt_token_ids == tok.encode(chatml, add_special_tokens=False)
+    assert out.prompt_token_ids == tok.encode(chatml, add_special_tokens=False) and out.prompt == chatml
     with pytest.raises(InvalidRequestError, match="continue_final_message=True needs add_generation_prompt=False"):
         neutral.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)
     with pytest.raises(InvalidRequestError, match="chat template failed to render.*boom"):
@@ -370,6 +386,16 @@ def test_llm_engine_answers_what_callers_read_from_vllms_engine(neutral):
     assert engine.is_sleeping() is False
     with pytest.raises(AttributeError, match="has no 'named_parameters'.*not handed out"):
         engine.model_executor.driver_worker.model_runner.model.named_parameters()
+    hf = mc.hf_config  # what scripts read for sizes, under Hugging Face's names
+    source = neutral.runner.model_config
+    assert (hf.vocab_size, hf.num_hidden_layers, hf.hidden_size, hf.max_position_embeddings) == (
+        source.vocab_size, source.num_layers, source.hidden_size, source.max_position_embeddings)
+    assert hf.architectures == mc.architectures == [source.architecture]
+    assert engine.get_model_config().max_model_len == 128
+    # vLLM users' "free the GPU" idiom before `del llm`: nothing to delete here, and no error
+    del neutral.llm_engine.model_executor.driver_worker
+    del neutral.llm_engine.model_executor
+    assert neutral.llm_engine.model_executor.driver_worker.model_runner.model.reset_prefix_cache() is True
 
 
 def test_generation_config_vllm_leaves_the_models_defaults_out(hf_home, monkeypatch):
@@ -514,6 +540,30 @@ def test_worker_extension_cls_methods_run_by_name_and_keep_their_state(tiny_llam
         with pytest.raises(InvalidRequestError, match="unsupported method 'execute_model'.*WeightSyncExtension: "
                                                       "init_sync, report_device, update_weight"):
             llm.collective_rpc("execute_model")
+    finally:
+        llm.shutdown()
+
+
+def test_older_vllm_spellings_pinned_rl_code_still_uses(tiny_llama_dir):
+    """``generate(prompt_token_ids=..., sampling_params=...)`` (vLLM until 0.10: OpenRLHF's and older verl's
+    rollouts) and ``LLM(num_gpu_blocks_override=)`` (= ``num_kv_blocks``)."""
+    llm = LLM(tiny_llama_dir, device="cpu", max_model_len=64, num_gpu_blocks_override=40)
+    try:
+        assert llm.runner.num_kv_blocks == 40
+        params = SamplingParams(temperature=0, max_tokens=4)
+        ids = [[5, 6, 7], [8, 9]]
+        expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": x} for x in ids], params,
+                                                                  use_tqdm=False)]
+        out = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == expected and out[1].prompt_token_ids == ids[1]
+        one = llm.generate(prompt_token_ids=ids[0], sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in one] == expected[:1]
+        with pytest.raises(InvalidRequestError, match="both prompts and prompt_token_ids"):
+            llm.generate("a", params, prompt_token_ids=ids)
+        with pytest.raises(InvalidRequestError, match="needs prompts"):
+            llm.generate(sampling_params=params)
+        with pytest.raises(InvalidRequestError):
+            llm.generate(prompt_token_ids=[[5, "x"]], sampling_params=params)
     finally:
         llm.shutdown()
 

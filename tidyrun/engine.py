@@ -31,7 +31,7 @@ from .distributed.external import LaunchedRankRunner, join_launch
 from .engine_args import CHECKED_APART, check_no_effect_options, engine_config
 from .errors import EngineShutdownError, InvalidRequestError
 from .intake import (Prompt, PromptType, RequestIntake, check_no_priority, check_pooling_task, check_text_only,
-                     no_head, pooling_normalize, score_pairs)
+                     legacy_token_prompts, no_head, pooling_normalize, score_pairs)
 from .kv_cache import BlockPool
 from .llm_engine import WeightSyncPath
 from .loader import generation_defaults, open_engine_source, open_engine_tokenizer
@@ -259,7 +259,17 @@ class LLM:
                  kv_cache_dtype: str = "auto", limit_mm_per_prompt: dict | None = None,
                  enable_lora: bool = False, max_lora_rank: int = 16, max_loras: int = 1, task: str = "auto",
                  runner: str = "auto", worker_cls: str = "auto", worker_extension_cls: str = "",
-                 generation_config: str = "auto",
+                 generation_config: str = "auto", pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
+                 enable_expert_parallel: bool = False, max_seq_len_to_capture: int = 8192,
+                 disable_cascade_attn: bool = False, disable_async_output_proc: bool = False,
+                 use_v2_block_manager: bool = True, use_tqdm_on_load: bool = True, hf_token: bool | str | None = None,
+                 served_model_name: str | list[str] | None = None, mm_processor_kwargs: dict | None = None,
+                 allowed_local_media_path: str = "", enable_prompt_embeds: bool = False,
+                 logits_processors: list | None = None, guided_decoding_backend: str | None = None,
+                 structured_outputs_config: dict | None = None, scheduling_policy: str = "fcfs",
+                 preemption_mode: str | None = None, disable_sliding_window: bool = False,
+                 override_generation_config: dict | None = None, kv_transfer_config=None,
+                 num_gpu_blocks_override: int | None = None,
                  config: EngineConfig | None = None, process_group=None) -> None:
         # The keyword options, taken before any other local exists: every one, however many are added.
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "config", "process_group")}
@@ -630,18 +640,22 @@ class LLM:
     # -- batch API ---------------------------------------------------------------------
 
     @_drops_frames_on_error
-    def generate(self, prompts: PromptType | Iterable[PromptType],
+    def generate(self, prompts: PromptType | Iterable[PromptType] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None, *,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None) -> list[RequestOutput]:
         """Generate completions for one prompt or a list; outputs come back in prompt order.
 
         ``sampling_params`` None: ``get_default_sampling_params()``. ``lora_request`` must be None (no LoRA);
         ``priority`` None or all 0 (requests run first come, first served, as in vLLM's default scheduler).
+        ``prompt_token_ids`` (vLLM's older keyword, instead of ``prompts``): one list of token ids or a list
+        of them.
         """
         _check_no_lora(lora_request)
         check_no_priority(priority)
         self._check_alive()
         self.runner.check_awake()
+        prompts = legacy_token_prompts(prompts, prompt_token_ids)
         requests = self._intake.requests(prompts, sampling_params)  # all checked before any is queued
         ids: list[str] = []
         try:

@@ -38,6 +38,10 @@ def _bool(v) -> bool:
     return isinstance(v, bool)
 
 
+def _bool_or_none(v) -> bool:
+    return v is None or isinstance(v, bool)
+
+
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
@@ -68,8 +72,11 @@ NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
                                      "tokenizer"),
     "tokenizer_mode": _Accepted(lambda v: v in ("auto", "hf"), "'auto' or 'hf'",
                                 "tidyrun uses the model's Hugging Face tokenizer"),
-    "enable_chunked_prefill": _Accepted(lambda v: v is None or v is True, "None or True",
-                                        "tidyrun always splits prefills longer than max_num_batched_tokens"),
+    # False (vLLM: a prompt longer than max_num_batched_tokens is refused, shorter ones run whole) is a setting
+    # of scheduling, not of results: tidyrun splits only prompts longer than max_num_batched_tokens.
+    "enable_chunked_prefill": _Accepted(_bool_or_none, "None, True or False",
+                                        "tidyrun splits prefills longer than max_num_batched_tokens and runs "
+                                        "shorter ones whole, with the same results either way"),
     "hf_overrides": _Accepted(_empty, "None or {}", "tidyrun reads the model's config.json as it is"),
     "kv_cache_dtype": _Accepted(lambda v: v == "auto", "'auto'", "the KV cache is kept in the model's dtype"),
     "limit_mm_per_prompt": _Accepted(_empty, "None or {}", "tidyrun runs text-only models"),
@@ -86,6 +93,52 @@ NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
                         "every tidyrun engine generates and embeds (llm.embed, llm.score); it has no classification "
                         "or cross-encoder heads"),
     "worker_cls": _Accepted(lambda v: v == "auto", "'auto'", "tidyrun runs no vLLM workers"),
+    # vLLM's engine arguments that its examples pass through from the command line (every one, at its default)
+    # and that verl forwards from its config
+    "pipeline_parallel_size": _Accepted(lambda v: v == 1 and not isinstance(v, bool), "1",
+                                        "tidyrun splits a model across GPUs by tensor parallelism only"),
+    "data_parallel_size": _Accepted(lambda v: v == 1 and not isinstance(v, bool), "1",
+                                    "one LLM is one engine (build one per replica)"),
+    "enable_expert_parallel": _Accepted(lambda v: v is False, "False",
+                                        "tidyrun's MoE layers split experts by tensor parallelism"),
+    "max_seq_len_to_capture": _Accepted(_positive_int, "an int >= 1",
+                                        "tidyrun's CUDA graphs cover every context length (they are keyed by batch "
+                                        "size only)"),
+    "disable_cascade_attn": _Accepted(_bool, "True or False", "tidyrun has no cascade attention"),
+    "disable_async_output_proc": _Accepted(_bool, "True or False",
+                                           "outputs are built on the host while the next step runs "
+                                           "(async_scheduling)"),
+    "use_v2_block_manager": _Accepted(_bool, "True or False", "tidyrun has one block manager"),
+    "use_tqdm_on_load": _Accepted(_bool, "True or False", "loading shows no progress bar"),
+    "hf_token": _Accepted(lambda v: v is None or isinstance(v, (bool, str)), "None, a bool or a token",
+                          "tidyrun downloads nothing: models come from local folders and the local Hugging Face "
+                          "cache"),
+    "served_model_name": _Accepted(lambda v: v is None or isinstance(v, (str, list)), "None, a name or names",
+                                   "the OpenAI server takes its model name as `tidyrun serve --served-model-name`"),
+    "mm_processor_kwargs": _Accepted(_empty, "None or {}", "tidyrun runs text-only models"),
+    "allowed_local_media_path": _Accepted(lambda v: v in ("", None), "''", "tidyrun runs text-only models"),
+    "enable_prompt_embeds": _Accepted(lambda v: v is False, "False", "prompts are text or token ids"),
+    "logits_processors": _Accepted(lambda v: v is None or v == [], "None or []",
+                                   "tidyrun runs no custom logits processors; SamplingParams' penalties, logit_bias, "
+                                   "allowed_token_ids, bad_words and structured outputs run on the device"),
+    "guided_decoding_backend": _Accepted(lambda v: v in (None, "auto", "xgrammar", "guidance", "llguidance"),
+                                         "'auto', 'xgrammar' or 'guidance'",
+                                         "tidyrun's structured outputs are llguidance's token masks, the same "
+                                         "constraints as vLLM's default backends"),
+    "structured_outputs_config": _Accepted(
+        lambda v: _empty(v) or (isinstance(v, dict) and set(v) <= {"backend"}
+                                and v.get("backend") in ("auto", "xgrammar", "guidance", "llguidance")),
+        "None, {} or {'backend': 'auto' | 'xgrammar' | 'guidance'}",
+        "tidyrun's structured outputs are llguidance's token masks, the same constraints as vLLM's default backends"),
+    "scheduling_policy": _Accepted(lambda v: v == "fcfs", "'fcfs'", "tidyrun schedules first come, first served"),
+    "preemption_mode": _Accepted(lambda v: v in (None, "recompute"), "None or 'recompute'",
+                                 "tidyrun preempts by recomputing"),
+    "disable_sliding_window": _Accepted(lambda v: v is False, "False",
+                                        "sliding-window layers keep their window (turning it off changes the model)"),
+    "override_generation_config": _Accepted(_empty, "None or {}",
+                                            "generation defaults come from the model's generation_config.json "
+                                            "(generation_config='auto') or vLLM's ('vllm')"),
+    "kv_transfer_config": _Accepted(lambda v: v is None, "None", "tidyrun keeps each KV cache in its own engine"),
 })
 
 # Every keyword checked on its own, config or not (and that LLM(config=...) therefore does not count as a
@@ -182,7 +235,8 @@ def engine_config(model: str | None, options: Mapping[str, Any]) -> EngineConfig
         tensor_parallel_size=options["tensor_parallel_size"],
         distributed_executor_backend=options["distributed_executor_backend"],
         keep_host_buffers=options["keep_host_buffers"],
-        cache=CacheConfig(block_size=options["block_size"], num_blocks=options["num_kv_blocks"],
+        cache=CacheConfig(block_size=options["block_size"],
+                          num_blocks=_alias(options, "num_kv_blocks", "num_gpu_blocks_override"),
                           memory_bytes=_alias(options, "kv_cache_memory", "kv_cache_memory_bytes"),
                           gpu_memory_utilization=options["gpu_memory_utilization"]),
         max_logprobs=options["max_logprobs"], logprobs_mode=options["logprobs_mode"],

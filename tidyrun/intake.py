@@ -166,8 +166,8 @@ class RequestIntake:
                       continue_final_message: bool = False, chat_template: str | None = None,
                       tools: list[dict] | None = None, template_kwargs: dict | None = None,
                       content_format: str = "auto") -> list[dict]:
-        """Prompts (``{"prompt_token_ids": ...}``) of one conversation or a list of them, through the chat template
-        (the keyword arguments: see ``Tokenizer.apply_chat_template``). A message's content is a string, None, or
+        """Prompts (``{"prompt": rendered text, "prompt_token_ids": ...}``) of one conversation or a list of them,
+        through the chat template (the keyword arguments: see ``Tokenizer.render_chat``). A message's content is a string, None, or
         a list of OpenAI text parts (``{"type": "text", "text": ...}``); ``content_format`` is vLLM's
         ``chat_template_content_format``: "auto" / "string" give the template a string (text parts joined by
         newlines, None as ""), "openai" a list of text parts."""
@@ -184,10 +184,12 @@ class RequestIntake:
         conversations = [messages] if isinstance(messages[0], dict) else messages
         conversations = [[_with_content(m, content_format) for m in c] if isinstance(c, list) else c
                          for c in conversations]
-        return [{"prompt_token_ids": self.tokenizer.apply_chat_template(
-                    c, add_generation_prompt, continue_final_message=continue_final_message,
-                    chat_template=chat_template, tools=tools, template_kwargs=template_kwargs)}
-                for c in conversations]
+        texts = [self.tokenizer.render_chat(c, add_generation_prompt, continue_final_message=continue_final_message,
+                                            chat_template=chat_template, tools=tools, template_kwargs=template_kwargs)
+                 for c in conversations]
+        # The rendered text rides along as the prompt's text (RequestOutput.prompt, as vLLM's chat() gives it);
+        # the ids are its tokens without special tokens added (the template wrote them).
+        return [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
 
     def beam_prompts(self, prompts, params) -> list[list[int]]:
         """The token ids of ``beam_search``'s prompts (one or a list), each with room to grow, after checking
@@ -231,6 +233,22 @@ def _last_tokens(ids: list[int], truncate: int, fit: int) -> list[int]:
     context takes: ``max_model_len - 1`` for a prompt that generates, ``max_model_len`` for pooling)."""
     keep = fit if truncate == -1 else truncate
     return ids[len(ids) - keep:] if len(ids) > keep else ids
+
+
+def legacy_token_prompts(prompts, prompt_token_ids):
+    """``generate``'s prompts, also from vLLM's older keyword ``prompt_token_ids`` (one list of ids, or a list of
+    them; vLLM accepted it until 0.10 and RL code pinned to those versions still passes it): TokensPrompts."""
+    if prompt_token_ids is None:
+        if prompts is None:
+            raise InvalidRequestError("generate() needs prompts (or vLLM's older prompt_token_ids=)")
+        return prompts
+    if prompts is not None:
+        raise InvalidRequestError("generate() got both prompts and prompt_token_ids; pass one (token ids as "
+                                  "prompts: [{'prompt_token_ids': ids}, ...])")
+    if isinstance(prompt_token_ids, (list, tuple)) and prompt_token_ids and all(
+            isinstance(ids, (list, tuple)) for ids in prompt_token_ids):
+        return [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+    return {"prompt_token_ids": prompt_token_ids}  # one prompt; intake checks its ids
 
 
 def check_no_priority(priority) -> None:

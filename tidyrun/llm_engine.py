@@ -92,7 +92,12 @@ class WeightSyncPath:
             model=config.model, tokenizer=config.tokenizer or config.model, max_model_len=llm.max_model_len,
             dtype=llm.dtype, seed=config.seed,
             max_logprobs=config.max_logprobs, logprobs_mode=config.logprobs_mode,
-            get_vocab_size=lambda: model.vocab_size, get_diff_sampling_param=lambda: dict(diff))
+            get_vocab_size=lambda: model.vocab_size, get_diff_sampling_param=lambda: dict(diff),
+            hf_config=_hf_config(model), architectures=[model.architecture])
+
+    def get_model_config(self) -> SimpleNamespace:
+        """``model_config`` (vLLM's engine method)."""
+        return self.model_config
 
     @property
     def cache_config(self) -> SimpleNamespace:
@@ -113,9 +118,27 @@ class WeightSyncPath:
                                              max_num_batched_tokens=config.max_num_batched_tokens,
                                              max_model_len=llm.max_model_len))
 
+    def __delattr__(self, name: str) -> None:
+        """``del llm.llm_engine.model_executor.driver_worker``, the idiom vLLM users copy to free GPU memory
+        before ``del llm``: nothing to do here (this object holds nothing; ``llm.shutdown()``, or dropping the
+        LLM, gives every byte back)."""
+
     def __getattr__(self, name: str):
         raise AttributeError(
             f"llm.llm_engine has no {name!r}: tidyrun stands in for vLLM's engine with load_weights (at the end of "
             "model_executor.driver_worker.model_runner.model), reset_prefix_cache, get_tokenizer, is_sleeping, "
-            "model_config, cache_config and vllm_config only; the LLM's own methods do the rest (the model and its "
-            "tensors are not handed out: they would outlive shutdown)")
+            "model_config (with hf_config), get_model_config, cache_config and vllm_config only; the LLM's own "
+            "methods do the rest (the model and its tensors are not handed out: they would outlive shutdown)")
+
+
+def _hf_config(model) -> SimpleNamespace:
+    """The Hugging Face config fields callers read from ``model_config.hf_config``, under their HF names, as plain
+    values (tidyrun's ModelConfig holds what it read from config.json or the GGUF header)."""
+    eos = list(model.eos_token_ids)
+    return SimpleNamespace(
+        architectures=[model.architecture], vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size, num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads, head_dim=model.head_dim,
+        rms_norm_eps=model.rms_norm_eps, rope_theta=model.rope_theta,
+        max_position_embeddings=model.max_position_embeddings, tie_word_embeddings=model.tie_word_embeddings,
+        bos_token_id=model.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else (eos or None))

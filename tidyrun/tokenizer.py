@@ -62,7 +62,15 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, chat_template: str | None = None,
                             tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template (or ``chat_template``).
+        """Token ids of a conversation rendered with the model's chat template (``render_chat``'s text)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message,
+                                            chat_template=chat_template, tools=tools, template_kwargs=template_kwargs),
+                           add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """A conversation rendered with the model's chat template (or ``chat_template``), as text.
 
         The other arguments are transformers' (and vLLM's ``chat()``'s):
         ``continue_final_message`` leaves the last (assistant) message open
@@ -99,7 +107,7 @@ class Tokenizer:
         except Exception as exc:  # jinja2 TemplateError, or a template raising on its input
             raise InvalidRequestError(f"the chat template failed to render this conversation: "
                                       f"{type(exc).__name__}: {exc}") from exc
-        return self.encode(text, add_special_tokens=False)
+        return text
 
 
 class IncrementalDetokenizer:
