@@ -544,6 +544,32 @@ def test_worker_extension_cls_methods_run_by_name_and_keep_their_state(tiny_llam
         llm.shutdown()
 
 
+def test_engine_args_are_llms_keywords_as_a_dataclass_and_as_options():
+    """vLLM's ``EngineArgs`` (``LLM(**asdict(EngineArgs(...)))``, ``add_cli_args`` / ``from_cli_args``) and
+    ``FlexibleArgumentParser`` (``--max_model_len`` = ``--max-model-len``): one field per LLM keyword, LLM's
+    defaults; the generate example in test_vllm_examples builds an engine from them."""
+    import dataclasses
+    import inspect
+
+    from tidyrun import EngineArgs
+    from tidyrun.utils import FlexibleArgumentParser
+
+    keywords = {n: p.default for n, p in inspect.signature(LLM.__init__).parameters.items()
+                if n not in ("self", "config", "process_group")}
+    assert {f.name: f.default for f in dataclasses.fields(EngineArgs)} == keywords
+    assert dataclasses.asdict(EngineArgs(model="m", max_model_len=64)) == dict(keywords, model="m", max_model_len=64)
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "org/x", "--max_model_len", "64", "--enforce-eager", "--seed=3",
+                              "--no-enable-prefix-caching", "--cuda-graph-sizes", "1", "4",
+                              "--compilation-config", '{"cudagraph_capture_sizes": [1]}', "--dtype", "bfloat16"])
+    engine = EngineArgs.from_cli_args(args)
+    assert (engine.model, engine.max_model_len, engine.enforce_eager, engine.seed) == ("org/x", 64, True, 3)
+    assert (engine.enable_prefix_caching, engine.cuda_graph_sizes, engine.dtype) == (False, [1, 4], "bfloat16")
+    assert engine.compilation_config == {"cudagraph_capture_sizes": [1]} and engine.max_num_seqs == 256
+    with pytest.raises(SystemExit):  # argparse's own error for a malformed option value
+        parser.parse_args(["--hf-overrides", "{not json"])
+
+
 def test_older_vllm_spellings_pinned_rl_code_still_uses(tiny_llama_dir):
     """``generate(prompt_token_ids=..., sampling_params=...)`` (vLLM until 0.10: OpenRLHF's and older verl's
     rollouts) and ``LLM(num_gpu_blocks_override=)`` (= ``num_kv_blocks``)."""

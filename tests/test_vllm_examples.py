@@ -52,38 +52,36 @@ PROGRAMS = {
             main()
     ''',
     "generate": '''
-        """The engine's keyword arguments come from the command line, as with vLLM's EngineArgs options."""
-        import argparse
+        """vLLM's basic/generate.py: every engine option from the command line (EngineArgs), the rest sampling."""
+        from tidyrun import LLM, EngineArgs
+        from tidyrun.utils import FlexibleArgumentParser
 
-        from tidyrun import LLM
 
-
-        def parse_args():
-            parser = argparse.ArgumentParser(description="offline generation from CLI options")
-            engine = parser.add_argument_group("engine options")
-            engine.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-            engine.add_argument("--dtype", default="auto")
-            engine.add_argument("--max-model-len", type=int, default=None)
-            engine.add_argument("--seed", type=int, default=0)
-            engine.add_argument("--enforce-eager", action="store_true")
-            engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-            sampling = parser.add_argument_group("sampling options")
-            sampling.add_argument("--max-tokens", type=int)
-            sampling.add_argument("--temperature", type=float)
-            sampling.add_argument("--top-p", type=float)
-            sampling.add_argument("--top-k", type=int)
-            return parser.parse_args()
+        def create_parser():
+            parser = FlexibleArgumentParser()
+            # Add engine args
+            EngineArgs.add_cli_args(parser)
+            parser.set_defaults(model="HuggingFaceTB/SmolLM2-135M-Instruct")
+            # Add sampling params
+            sampling_group = parser.add_argument_group("Sampling parameters")
+            sampling_group.add_argument("--max-tokens", type=int)
+            sampling_group.add_argument("--temperature", type=float)
+            sampling_group.add_argument("--top-p", type=float)
+            sampling_group.add_argument("--top-k", type=int)
+            return parser
 
 
         def main(args: dict):
-            # What is not an engine option goes to the sampling parameters.
+            # Pop arguments not used by LLM
             max_tokens = args.pop("max_tokens")
             temperature = args.pop("temperature")
             top_p = args.pop("top_p")
             top_k = args.pop("top_k")
 
+            # Create an LLM
             llm = LLM(**args)
 
+            # Create a sampling params object
             sampling_params = llm.get_default_sampling_params()
             if max_tokens is not None:
                 sampling_params.max_tokens = max_tokens
@@ -106,7 +104,9 @@ PROGRAMS = {
 
 
         if __name__ == "__main__":
-            main(vars(parse_args()))
+            parser = create_parser()
+            args: dict = vars(parser.parse_args())
+            main(args)
     ''',
     "chat": '''
         """Chat with the model: one conversation, then several at once, with the model's own chat template."""
@@ -245,7 +245,7 @@ PROGRAMS = {
 
 # Arguments as a user passes them on the command line (vLLM's EngineArgs options for "generate").
 ARGS = {
-    "generate": ["--dtype", "auto", "--max-model-len", "512", "--seed", "7", "--enforce-eager",
+    "generate": ["--dtype", "auto", "--max_model_len", "512", "--seed=7", "--enforce-eager",
                  "--gpu-memory-utilization", "0.5", "--max-tokens", "8", "--temperature", "0.7", "--top-p", "0.9",
                  "--top-k", "20"],
 }
@@ -322,8 +322,8 @@ REPR = r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
 def test_programs_differ_from_vllms_only_in_the_import():
     for name, source in PROGRAMS.items():
         lines = [line.strip() for line in source.splitlines() if "tidyrun" in line]
-        assert lines == ["from tidyrun import LLM, SamplingParams" if name != "generate" else
-                         "from tidyrun import LLM"], name
+        assert lines == (["from tidyrun import LLM, SamplingParams"] if name != "generate" else
+                         ["from tidyrun import LLM, EngineArgs", "from tidyrun.utils import FlexibleArgumentParser"]), name
         compile(textwrap.dedent(source), name, "exec")
 
 

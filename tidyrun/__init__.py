@@ -1,5 +1,6 @@
 """tidyrun: an in-process LLM inference engine that gives back every byte it took."""
 
+from .arg_utils import EngineArgs
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .engine import LLM
 from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
@@ -12,9 +13,10 @@ from .pooling_params import PoolingParams
 from .sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = (
-    "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+    "LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
     "TextPrompt", "TokensPrompt", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
-    "ScoringRequestOutput", "PoolingOutput", "PoolingRequestOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "TidyrunError", "ModelLoadError",
+    "ScoringRequestOutput", "PoolingOutput", "PoolingRequestOutput", "BeamSearchParams", "BeamSearchOutput",
+    "BeamSearchSequence", "TidyrunError", "ModelLoadError",
     "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError", "OutOfResourcesError",
     "EngineShutdownError", "EngineSleepingError", "WeightsNotLoadedError", "ResourceLeakError", "WorkerError",
     "WorkerDiedError")
