@@ -233,7 +233,7 @@ def test_compute_logits_prompt_too_long(llm):
 @pytest.mark.parametrize("prompt", ["", [], {"prompt_token_ids": []}, {"prompt": ""}],
                          ids=["empty-str", "empty-list", "empty-ids-dict", "empty-text-dict"])
 def test_empty_prompt(llm, prompt):
-    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+    with pytest.raises(ValueError, match="Prompt cannot be empty"):  # vLLM's test_prompt_validation matches this
         llm.add_request(prompt, GREEDY)
     assert not llm.has_unfinished_requests()
 
@@ -247,6 +247,8 @@ def test_empty_prompt_in_generate(llm):
 def test_token_ids_out_of_vocab(llm, bad):
     assert llm.runner.model_config.vocab_size == 49152
     with pytest.raises(InvalidRequestError, match=r"token ids must be ints in \[0, 49152\)"):
+        llm.generate([[1, 2, bad]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=rf"token id {bad!r} is out of vocabulary"):  # vLLM's phrase
         llm.generate([[1, 2, bad]], GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="token ids"):
         llm.add_request({"prompt_token_ids": [bad, 5]}, GREEDY)

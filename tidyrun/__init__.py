@@ -1,7 +1,7 @@
 """tidyrun: an in-process LLM inference engine that gives back every byte it took."""
 
 from .arg_utils import EngineArgs
-from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from .beam_search import BeamSearchOutput, BeamSearchSequence
 from .engine import LLM
 from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
                      PromptTooLongError, ResourceLeakError, TidyrunError, UnsupportedModelError, WeightsNotLoadedError,
@@ -10,7 +10,8 @@ from .inputs import TextPrompt, TokensPrompt
 from .outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
                       RequestOutput, ScoringOutput, ScoringRequestOutput)
 from .pooling_params import PoolingParams
-from .sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from .sampling_params import (BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams,
+                              StructuredOutputsParams)
 
 __all__ = (
     "LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",

@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 import torch
 
-from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from .beam_search import BeamSearchOutput, beam_search
 from .config import EngineConfig, SpeculativeConfig
 from .distributed.driver import TPDriverRunner
 from .distributed.external import LaunchedRankRunner, join_launch
@@ -45,7 +45,7 @@ from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
 from .runner.rpc import call_on_rank, check_rpc_method, load_extension
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, streamable_length
 from .spec_decode import NgramProposer

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from .beam_search import BeamSearchParams
 from .errors import InvalidRequestError, PromptTooLongError
 from .pooling_params import PoolingParams
-from .sampling_params import SamplingParams, truncation_ok
+from .sampling_params import BeamSearchParams, SamplingParams, truncation_ok
 from .tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict
@@ -100,11 +99,14 @@ class RequestIntake:
         raise InvalidRequestError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def check_token_ids(self, ids: list[int], what: str) -> None:
+        # vLLM's phrases ("cannot be empty", "out of vocabulary") first: code written against vLLM matches them
         if not ids:
-            raise InvalidRequestError(f"the {what} is empty (0 tokens)")
+            raise InvalidRequestError(f"{what.capitalize()} cannot be empty (the {what} is empty: 0 tokens)")
         vocab = self.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"{what} token ids must be ints in [0, {vocab})")
+            bad = next(t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab))
+            raise InvalidRequestError(f"{what} token id {bad!r} is out of vocabulary: {what} token ids must be ints "
+                                      f"in [0, {vocab})")
 
     def prompt(self, prompt: PromptType, truncate: int | None = None) -> Prompt:
         """A tokenized prompt that fits the context with room for at least one generated token.

@@ -336,3 +336,26 @@ def _token_key(t):
         except ValueError:
             return t
     return t
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def check(self, max_logprobs: int) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"BeamSearchParams.{name} must be an int >= 1, got {value!r}")
+        if max_logprobs != -1 and 2 * self.beam_width > max_logprobs:
+            raise InvalidRequestError(f"beam_width={self.beam_width} needs {2 * self.beam_width} logprobs per token, "
+                                      f"above this engine's max_logprobs ({max_logprobs}); raise LLM(max_logprobs=)")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise InvalidRequestError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise InvalidRequestError(f"BeamSearchParams.length_penalty must be a number, got {self.length_penalty!r}")
