@@ -2,4 +2,4 @@
 
 from .arg_utils import FlexibleArgumentParser
 
-__all__ = ["FlexibleArgumentParser"]
+__all__ = ("FlexibleArgumentParser",)
