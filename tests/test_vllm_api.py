@@ -369,6 +369,8 @@ def test_outputs_and_generate_keywords_as_in_vllm(neutral):
         neutral.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[0, 3])
     with pytest.raises(InvalidRequestError, match="priority must be None or a list of ints"):
         neutral.generate(PROMPTS, GREEDY, use_tqdm=False, priority=1)
+    with pytest.raises(InvalidRequestError, match="lengths of prompts and priority must be the same"):  # vLLM's
+        neutral.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[0])
     assert not neutral.has_unfinished_requests()
 
 

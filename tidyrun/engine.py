@@ -657,6 +657,7 @@ class LLM:
         self.runner.check_awake()
         prompts = legacy_token_prompts(prompts, prompt_token_ids)
         requests = self._intake.requests(prompts, sampling_params)  # all checked before any is queued
+        check_no_priority(priority, len(requests))
         ids: list[str] = []
         try:
             for prompt, params in requests:

@@ -253,12 +253,16 @@ def legacy_token_prompts(prompts, prompt_token_ids):
     return {"prompt_token_ids": prompt_token_ids}  # one prompt; intake checks its ids
 
 
-def check_no_priority(priority) -> None:
-    """vLLM's ``generate(priority=)``: None, or one int per prompt, all 0 (first come, first served)."""
+def check_no_priority(priority, num_prompts: int | None = None) -> None:
+    """vLLM's ``generate(priority=)``: None, or one int per prompt (``num_prompts``, when known), all 0 (first
+    come, first served)."""
     if priority is None:
         return
     if not isinstance(priority, (list, tuple)) or not all(isinstance(p, int) for p in priority):
         raise InvalidRequestError(f"priority must be None or a list of ints (one per prompt), got {priority!r}")
+    if num_prompts is not None and len(priority) != num_prompts:
+        raise InvalidRequestError(f"The lengths of prompts and priority must be the same: {num_prompts} prompts, "
+                                  f"{len(priority)} priorities")
     if any(p != 0 for p in priority):
         raise InvalidRequestError(f"priority={list(priority)!r} is not supported: tidyrun schedules requests first "
                                   "come, first served (vLLM's default policy, which also refuses priorities); pass "
