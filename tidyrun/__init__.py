@@ -14,7 +14,8 @@ from .sampling_params import (BeamSearchParams, GuidedDecodingParams, RequestOut
                               StructuredOutputsParams)
 
 __all__ = (
-    "LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+    "LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind",
+    "RequestOutput", "CompletionOutput",
     "TextPrompt", "TokensPrompt", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
     "ScoringRequestOutput", "PoolingOutput", "PoolingRequestOutput", "BeamSearchParams", "BeamSearchOutput",
     "BeamSearchSequence", "TidyrunError", "ModelLoadError",

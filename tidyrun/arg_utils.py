@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import sys
 
 from .engine import LLM
 
@@ -34,8 +35,8 @@ def _json(text: str):
         raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({exc})") from None
 
 
-def _option(annotation: str, default) -> dict:
-    """``add_argument``'s keywords for a keyword of this annotation and default (vLLM's spellings: JSON for
+def _option(annotation: str) -> dict:
+    """``add_argument``'s keywords for a keyword of this annotation (vLLM's spellings: JSON for
     dicts, ``--flag/--no-flag`` for booleans, space-separated lists)."""
     kinds = {k.strip() for k in annotation.split("|")}
     if kinds & {"dict", "SpeculativeConfig"} or not annotation:
@@ -57,7 +58,7 @@ def _add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every ``LLM`` keyword as ``--its-name`` (default: ``LLM``'s); returns the parser, as vLLM's does."""
     group = parser.add_argument_group("engine options (tidyrun.LLM's keywords)")
     for name, annotation, default in _fields():
-        group.add_argument(f"--{name.replace('_', '-')}", dest=name, default=default, **_option(annotation, default))
+        group.add_argument(f"--{name.replace('_', '-')}", dest=name, default=default, **_option(annotation))
     return parser
 
 
@@ -79,11 +80,7 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     """vLLM's parser: ``--max_model_len`` is read as ``--max-model-len`` (options with underscores or dashes)."""
 
     def parse_known_args(self, args=None, namespace=None):
-        import sys
-
-        args = list(sys.argv[1:] if args is None else args)
-        args = [_dashed(a) for a in args]
-        return super().parse_known_args(args, namespace)
+        return super().parse_known_args([_dashed(a) for a in (sys.argv[1:] if args is None else args)], namespace)
 
 
 def _dashed(arg: str) -> str:

@@ -42,6 +42,10 @@ def _bool_or_none(v) -> bool:
     return v is None or isinstance(v, bool)
 
 
+def _one(v) -> bool:
+    return v == 1 and not isinstance(v, bool)
+
+
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
@@ -49,6 +53,11 @@ def _positive_int(v) -> bool:
 def _empty(v) -> bool:
     return v is None or (isinstance(v, dict) and not v)
 
+
+# vLLM's structured-output backends; tidyrun's llguidance masks enforce the same constraints
+_GRAMMAR_BACKENDS = ("auto", "xgrammar", "guidance", "llguidance")
+_GRAMMAR_MEANING = ("tidyrun's structured outputs are llguidance's token masks, the same constraints as vLLM's "
+                    "default backends")
 
 # Keywords with no meaning in tidyrun: name -> the values accepted, and why those suffice.
 NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
@@ -95,9 +104,9 @@ NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
     "worker_cls": _Accepted(lambda v: v == "auto", "'auto'", "tidyrun runs no vLLM workers"),
     # vLLM's engine arguments that its examples pass through from the command line (every one, at its default)
     # and that verl forwards from its config
-    "pipeline_parallel_size": _Accepted(lambda v: v == 1 and not isinstance(v, bool), "1",
+    "pipeline_parallel_size": _Accepted(_one, "1",
                                         "tidyrun splits a model across GPUs by tensor parallelism only"),
-    "data_parallel_size": _Accepted(lambda v: v == 1 and not isinstance(v, bool), "1",
+    "data_parallel_size": _Accepted(_one, "1",
                                     "one LLM is one engine (build one per replica)"),
     "enable_expert_parallel": _Accepted(lambda v: v is False, "False",
                                         "tidyrun's MoE layers split experts by tensor parallelism"),
@@ -121,15 +130,12 @@ NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
     "logits_processors": _Accepted(lambda v: v is None or v == [], "None or []",
                                    "tidyrun runs no custom logits processors; SamplingParams' penalties, logit_bias, "
                                    "allowed_token_ids, bad_words and structured outputs run on the device"),
-    "guided_decoding_backend": _Accepted(lambda v: v in (None, "auto", "xgrammar", "guidance", "llguidance"),
-                                         "'auto', 'xgrammar' or 'guidance'",
-                                         "tidyrun's structured outputs are llguidance's token masks, the same "
-                                         "constraints as vLLM's default backends"),
+    "guided_decoding_backend": _Accepted(lambda v: v is None or v in _GRAMMAR_BACKENDS,
+                                         "'auto', 'xgrammar' or 'guidance'", _GRAMMAR_MEANING),
     "structured_outputs_config": _Accepted(
         lambda v: _empty(v) or (isinstance(v, dict) and set(v) <= {"backend"}
-                                and v.get("backend") in ("auto", "xgrammar", "guidance", "llguidance")),
-        "None, {} or {'backend': 'auto' | 'xgrammar' | 'guidance'}",
-        "tidyrun's structured outputs are llguidance's token masks, the same constraints as vLLM's default backends"),
+                                and v.get("backend") in _GRAMMAR_BACKENDS),
+        "None, {} or {'backend': 'auto' | 'xgrammar' | 'guidance'}", _GRAMMAR_MEANING),
     "scheduling_policy": _Accepted(lambda v: v == "fcfs", "'fcfs'", "tidyrun schedules first come, first served"),
     "preemption_mode": _Accepted(lambda v: v in (None, "recompute"), "None or 'recompute'",
                                  "tidyrun preempts by recomputing"),

@@ -103,9 +103,9 @@ class RequestIntake:
         if not ids:
             raise InvalidRequestError(f"{what.capitalize()} cannot be empty (the {what} is empty: 0 tokens)")
         vocab = self.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            bad = next(t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab))
-            raise InvalidRequestError(f"{what} token id {bad!r} is out of vocabulary: {what} token ids must be ints "
+        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(f"{what} token id {bad[0]!r} is out of vocabulary: {what} token ids must be ints "
                                       f"in [0, {vocab})")
 
     def prompt(self, prompt: PromptType, truncate: int | None = None) -> Prompt:
@@ -169,8 +169,8 @@ class RequestIntake:
                       tools: list[dict] | None = None, template_kwargs: dict | None = None,
                       content_format: str = "auto") -> list[dict]:
         """Prompts (``{"prompt": rendered text, "prompt_token_ids": ...}``) of one conversation or a list of them,
-        through the chat template (the keyword arguments: see ``Tokenizer.render_chat``). A message's content is a string, None, or
-        a list of OpenAI text parts (``{"type": "text", "text": ...}``); ``content_format`` is vLLM's
+        through the chat template (the keyword arguments: see ``Tokenizer.render_chat``). A message's content is
+        a string, None, or a list of OpenAI text parts (``{"type": "text", "text": ...}``); ``content_format`` is vLLM's
         ``chat_template_content_format``: "auto" / "string" give the template a string (text parts joined by
         newlines, None as ""), "openai" a list of text parts."""
         if content_format not in ("auto", "string", "openai"):
@@ -289,15 +289,16 @@ def score_pairs(data_1, data_2) -> tuple[list, list[tuple[int, int]]]:
     return [*first, *second], [(i, n + i) for i in range(n)]
 
 
-def check_pooling_task(task, tokenization_kwargs=None) -> str:
+def check_pooling_task(task, tokenization_kwargs=None) -> None:
     """vLLM's ``encode(pooling_task=, tokenization_kwargs=)`` checked: tidyrun pools each input's final hidden
     states into one vector (``llm.embed``), so None (vLLM's older default) and "embed" are that; tasks that
     need a classification or reward head, or a vector per token, are InvalidRequestError saying what there is."""
     if tokenization_kwargs not in (None, {}):
         raise InvalidRequestError(f"tokenization_kwargs={tokenization_kwargs!r} is not supported: pass "
-                                  "truncate_prompt_tokens to cut inputs (tidyrun tokenizes as the model's tokenizer does)")
+                                  "truncate_prompt_tokens to cut inputs (tidyrun tokenizes as the model's tokenizer "
+                                  "does)")
     if task is None or task == "embed":
-        return "embed"
+        return
     if task in ("classify", "score", "token_classify", "reward"):
         raise InvalidRequestError(no_head(f"pooling_task={task!r}"))
     if task in ("token_embed", "encode"):

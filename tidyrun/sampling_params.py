@@ -350,7 +350,7 @@ class BeamSearchParams:
     def check(self, max_logprobs: int) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise InvalidRequestError(f"BeamSearchParams.{name} must be an int >= 1, got {value!r}")
         if max_logprobs != -1 and 2 * self.beam_width > max_logprobs:
             raise InvalidRequestError(f"beam_width={self.beam_width} needs {2 * self.beam_width} logprobs per token, "

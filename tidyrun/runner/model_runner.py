@@ -520,16 +520,17 @@ class ModelRunner:
                 index = None if every else torch.tensor(live, device=step.logits.logits.device)
                 logits, greedy, greedy_logprob = (t if t is None or every else t[index] for t in step.logits)
                 one_pass = self._one_pass_logprobs(rows)
-                steps = draw_steps(rows, launched=True)
                 if one_pass is not None:  # its processed sequences have finished: the records execute takes
-                    picked, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, rows, steps)
+                    picked, records = self._one_pass_records(one_pass, logits, greedy, greedy_logprob, rows,
+                                                             launched=True)
                     at = live
                 elif masks is not None and self._masked_one_pass(rows):
-                    picked, records = self._masked_race(logits, greedy_logprob, rows, masks, steps)
+                    picked, records = self._masked_race(logits, greedy_logprob, rows, masks, launched=True)
                     at = live
                 else:  # the rows that asked, as execute has them (a logsumexp over other rows may round otherwise)
                     lp = [j for j, s in enumerate(rows) if s.params.logprobs is not None]
-                    picked, records = self._draw_rows(logits.float(), rows, masks, lp, [0] * len(lp), steps)
+                    picked, records = self._draw_rows(logits.float(), rows, masks, lp, [0] * len(lp),
+                                                      launched=True)
                     at = [live[j] for j in lp]
             finally:
                 if masks is not None:
@@ -602,15 +603,15 @@ class ModelRunner:
 
     def _one_pass_records(self, mode: str, logits: torch.Tensor, greedy: torch.Tensor | None,
                           greedy_logprob: torch.Tensor | None, seqs: list[Sequence],
-                          steps: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          launched: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens and their float64 records (token, raw log-probability, rank), on the device, from the
         pass that picks the tokens (``_one_pass_logprobs``'s ``mode``): "greedy", the argmax pass (inside
         the CUDA graph when one ran; the argmax's rank is 1 by definition, so nothing else needs the
         vocabulary); "race", one race over the batch, the tokens the sampler draws from the same generators.
-        ``steps``: ``draw_steps`` of ``seqs`` (None: computed here, for a step not booked yet)."""
+        ``launched``: the step is sampled after its launch was booked (``draw_steps``)."""
         if mode == "race":
             tokens, records = self.sampler.race_packed(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                                       draw_steps(seqs) if steps is None else steps)
+                                                       draw_steps(seqs, launched))
             # A greedy row's token from the race is the argmax (first on ties), but on the GPU the race's
             # logsumexp rounds otherwise than the argmax kernel's (H100: 64x49152 rows differed), and async
             # scheduling keeps a finished sampled row one step longer: the same greedy row would take "race"
@@ -649,7 +650,7 @@ class ModelRunner:
                    for s in seqs)
 
     def _masked_race(self, logits: torch.Tensor, greedy_logprob: torch.Tensor | None, seqs: list[Sequence],
-                     masks: PendingMasks, steps: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     masks: PendingMasks, launched: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens (and, when some sequence asked, (token, raw logprob, rank) rows for all) of a
         ``_masked_one_pass`` step, on the device: one race over the logits in the model's dtype that reads
         the grammars' int32 bitmask itself. For seeded rows the processed path's tokens (float copy,
@@ -657,13 +658,13 @@ class ModelRunner:
         rows draw theirs from the global generator in one batch of another shape), its raw records up to the
         rounding of another logsumexp on the GPU; without its copy, unpacking launches and per-row rules: on the
         H100 host those cost ~0.5 ms of a 64-row JSON step (docs/BENCHMARKS.md). The noise (or its keys) is
-        prepared while the masks fill. ``steps``: as in ``_one_pass_records``."""
+        prepared while the masks fill. ``launched``: as in ``_one_pass_records``."""
         grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not masks.serve([seqs[i].grammar for i in grammar_rows]):
             raise RuntimeError("_masked_race: the pending masks are not those of this step's grammar rows")
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
         noise, scale = self.sampler.race_noise(logits.shape, logits.device, params, generators,
-                                               draw_steps(seqs) if steps is None else steps)
+                                               draw_steps(seqs, launched))
         bitmask = masks.wait()
         if len(masks.states) < len(seqs):  # plain rows beside: every token allowed
             # numpy, on this thread only: torch's CPU fill of a mask this size wakes its OpenMP threads, which
@@ -742,10 +743,10 @@ class ModelRunner:
         return [(t, by_row.get(j)) for j, t in enumerate(tokens.tolist())]
 
     def _draw_rows(self, logits: torch.Tensor, seqs: list[Sequence], masks: PendingMasks | None, lp: list[int],
-                   ks: list[int], steps: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   ks: list[int], launched: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``_sample_rows`` on the device: the tokens (int64) and, for rows ``lp``, their records packed
-        (``pack_records``, top-k ``ks``; None without rows), in this engine's ``logprobs_mode``. ``steps``: as
-        in ``_one_pass_records``."""
+        (``pack_records``, top-k ``ks``; None without rows), in this engine's ``logprobs_mode``. ``launched``:
+        as in ``_one_pass_records``."""
         mode = self.config.logprobs_mode
         every = len(lp) == len(seqs)
         index = None if every else torch.tensor(lp, device=logits.device)
@@ -755,7 +756,7 @@ class ModelRunner:
             raw = logits if every and untouched else None
             raw = (logits.clone() if every else logits[index]) if raw is None else raw
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        steps = draw_steps(seqs) if steps is None else steps
+        steps = draw_steps(seqs, launched)
         race = self.sampler.draw_race(logits, params, generators, steps)  # needs no logits: drawn while masks fill
         process_logits(logits, seqs, self.eos_token_ids, masks)
         tokens = self.sampler(logits, params, generators, race, steps)

@@ -52,7 +52,8 @@ def load_extension(spec) -> type | None:
     if isinstance(spec, type):
         return spec
     if not isinstance(spec, str) or "." not in spec:
-        raise InvalidRequestError(f"worker_extension_cls must be a class or a 'package.module.Class' path, got {spec!r}")
+        raise InvalidRequestError(f"worker_extension_cls must be a class or a 'package.module.Class' path, "
+                                  f"got {spec!r}")
     module, _, name = spec.rpartition(".")
     try:
         found = getattr(importlib.import_module(module), name)
@@ -74,12 +75,8 @@ class RankWorker:
     Owns no device memory itself; what a caller's code stores on it is the caller's."""
 
     def __init__(self, runner) -> None:
-        shard = getattr(runner, "shard", None)
-        object.__setattr__(self, "model_runner", runner)
-        object.__setattr__(self, "rank", shard.rank if shard is not None else 0)
-        device = runner.device
-        object.__setattr__(self, "local_rank", device.index if device.index is not None else self.rank)
-        object.__setattr__(self, "device", device)
+        self.model_runner, self.rank, self.device = runner, runner.shard.rank, runner.device
+        self.local_rank = self.device.index if self.device.index is not None else self.rank
 
     def __getattr__(self, name: str):
         return getattr(self.model_runner, name)
