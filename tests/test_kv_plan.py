@@ -72,4 +72,16 @@ def test_kv_cache_memory_overrides_the_fraction():
 def test_the_cpu_and_a_fixed_block_count_need_no_reading():
     cpu = plan_kv_cache(MC, SHARD, config(), DTYPE, None)
     assert cpu.num_blocks == CPU_KV_BUDGET // per_block()
-    assert plan(1, num_blocks=300).num_blocks == 300  # the user's count is taken as given
+    assert plan(4, num_blocks=300).num_blocks == 300  # the user's count is taken as given
+
+
+def test_a_fixed_block_count_that_cannot_fit_is_refused_before_any_allocation():
+    """Checked by arithmetic, not left to the allocation: a failed cudaMalloc makes the driver give back memory
+    it held for the whole process (20 MiB on an H100), which test_gpu_lifecycle's failed start then read as
+    not returned to its baseline."""
+    weights = weight_bytes(MC, SHARD, DTYPE)
+    fits = (4 * GIB - weights) // per_block()
+    assert plan(4, num_blocks=fits).num_blocks == fits
+    with pytest.raises(OutOfResourcesError, match=rf"num_kv_blocks={fits + 1} gives a KV cache of .* only 4.00 GiB "
+                                                  r"of the 140.00 GiB device are free"):
+        plan(4, num_blocks=fits + 1)

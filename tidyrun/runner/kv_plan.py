@@ -118,14 +118,10 @@ def plan_kv_cache(mc: ModelConfig, shard: TPShard, config: EngineConfig, dtype: 
             budget = gpu_kv_budget(cache.gpu_memory_utilization, *gpu_memory, weights,
                                    activation_bytes(mc, config, dtype))
         num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
-        if cache.memory_bytes is not None and gpu_memory is not None:
-            free, total = gpu_memory
-            if weights + num_blocks * per_block > free:
-                raise OutOfResourcesError(
-                    f"kv_cache_memory={cache.memory_bytes} gives a KV cache of {_gib(num_blocks * per_block)}; with "
-                    f"the weights' {_gib(weights)} that needs {_gib(weights + num_blocks * per_block)}, but only "
-                    f"{_gib(free)} of the {_gib(total)} device are free (others hold {_gib(total - free)}); "
-                    "lower it or free memory")
+    if gpu_memory is not None and (cache.num_blocks is not None or cache.memory_bytes is not None):
+        check_fits(num_blocks * per_block, weights, *gpu_memory,
+                   f"num_kv_blocks={num_blocks}" if cache.num_blocks is not None
+                   else f"kv_cache_memory={cache.memory_bytes}")
     if num_blocks * cache.block_size < max_model_len:
         if config.max_model_len is not None or num_blocks < 1:
             raise OutOfResourcesError(
@@ -133,6 +129,19 @@ def plan_kv_cache(mc: ModelConfig, shard: TPShard, config: EngineConfig, dtype: 
                 f"sequence of max_model_len={max_model_len} tokens; give it more memory or lower max_model_len")
         max_model_len = num_blocks * cache.block_size
     return KVPlan(int(num_blocks), int(max_model_len), weights)
+
+
+def check_fits(kv: int, weights: int, free: int, total: int, asked: str) -> None:
+    """Refuse a KV cache the caller sized (``asked``: the keyword and its value) that cannot fit beside the
+    weights in the device's free memory, before anything is allocated. Not left to the allocation's own
+    failure: a cudaMalloc that fails makes the CUDA driver give back memory it held for the whole process, not
+    torch's and not this engine's (20 MiB on an H100 after the GPU suite's async tests), so the driver-level
+    reading of a failed start would no longer compare with the one before it."""
+    if weights + kv > free:
+        raise OutOfResourcesError(
+            f"{asked} gives a KV cache of {_gib(kv)}; with the weights' {_gib(weights)} that needs "
+            f"{_gib(weights + kv)}, but only {_gib(free)} of the {_gib(total)} device are free (others hold "
+            f"{_gib(total - free)}); lower it or free memory")
 
 
 def check_agreed_blocks(plan: KVPlan, agreed: int, block_size: int) -> None:
