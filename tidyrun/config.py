@@ -320,3 +320,33 @@ DTYPES = MappingProxyType({
     "fp16": torch.float16,
     "half": torch.float16,
 })
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """``LLM(profiler_config=)``: vLLM's ``ProfilerConfig`` keys (``profiler.py`` runs it). ``profiler`` None:
+    profiling off (``start_profile`` refuses)."""
+
+    profiler: str | None = None
+    torch_profiler_dir: str = ""
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    delay_iterations: int = 0  # vLLM's step-count window: not supported here, accepted at 0 only
+    max_iterations: int = 0
+
+    def __post_init__(self) -> None:
+        from .errors import InvalidRequestError
+
+        profilers = ("torch", "cuda")
+        if self.profiler not in (None, *profilers):
+            raise InvalidRequestError(f"profiler_config profiler={self.profiler!r}: use one of {profilers} (or None)")
+        if self.profiler == "torch" and not self.torch_profiler_dir:
+            raise InvalidRequestError("profiler_config profiler='torch' needs torch_profiler_dir, the folder the "
+                                      "traces are written to")
+        for name in ("delay_iterations", "max_iterations"):
+            if getattr(self, name) != 0:
+                raise InvalidRequestError(f"profiler_config {name}={getattr(self, name)!r} is not supported: tidyrun "
+                                          "traces from start_profile() to stop_profile(); leave it 0")

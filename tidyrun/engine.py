@@ -41,6 +41,7 @@ from .outputs import (CompletionOutput, EmbeddingRequestOutput, PoolingRequestOu
                       ScoringRequestOutput, embedding_outputs, pooling_outputs, scoring_outputs)
 from .pipeline import StepPipeline
 from .pooling_params import PoolingParams
+from .profiler import Profile, profiler_config as parse_profiler_config
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
@@ -269,7 +270,7 @@ class LLM:
                  structured_outputs_config: dict | None = None, scheduling_policy: str = "fcfs",
                  preemption_mode: str | None = None, disable_sliding_window: bool = False,
                  override_generation_config: dict | None = None, kv_transfer_config=None,
-                 num_gpu_blocks_override: int | None = None,
+                 num_gpu_blocks_override: int | None = None, profiler_config: dict | None = None,
                  config: EngineConfig | None = None, process_group=None) -> None:
         # The keyword options, taken before any other local exists: every one, however many are added.
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "config", "process_group")}
@@ -278,6 +279,8 @@ class LLM:
         # Every keyword is checked before any file is opened.
         check_no_effect_options(options)
         self._extension = load_extension(worker_extension_cls)  # collective_rpc's names beyond RPC_METHODS
+        self._profiler_config = parse_profiler_config(profiler_config)  # start_profile()'s (None: refused)
+        self._profile: Profile | None = None
         if config is None:
             config = engine_config(model, options)
         else:
@@ -521,6 +524,26 @@ class LLM:
         return self.runner.ledger.report()
 
     # -- requests ----------------------------------------------------------------------
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start tracing what this engine runs (vLLM's ``start_profile``), as ``LLM(profiler_config=)`` or
+        ``VLLM_TORCH_PROFILER_DIR`` says (profiler.py); ``profile_prefix`` names the trace file (default
+        "tidyrun"). InvalidRequestError without a profiler, or while a span is open."""
+        self._check_alive()
+        if self._profile is not None:
+            raise InvalidRequestError("start_profile(): a profile is already running; call stop_profile() first")
+        self._profile = Profile(self._profiler_config, self.runner.device, profile_prefix)
+
+    def stop_profile(self) -> str | None:
+        """End the span ``start_profile`` began; returns the trace's path (None for the "cuda" profiler)."""
+        self._check_alive()
+        if self._profile is None:
+            raise InvalidRequestError("stop_profile(): no profile is running; call start_profile() first")
+        return self._end_profile()
+
+    def _end_profile(self) -> str | None:
+        profile, self._profile = self._profile, None
+        return profile.stop()
 
     def _check_alive(self) -> None:
         if self._closed:
@@ -853,6 +876,8 @@ class LLM:
         for request_id in list(self._requests):
             self.scheduler.abort(request_id)
         self._pipeline.drain()  # a step launched ahead holds its tokens on the device until booked
+        if self._profile is not None:  # a span still open: its trace is written now (host only)
+            self._end_profile()
         self._collect_finished()
         outputs, self._pending_outputs = self._pending_outputs, []
         aborted = [o for o in outputs if any(c.finish_reason == "abort" for c in o.outputs)]

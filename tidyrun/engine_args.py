@@ -148,8 +148,9 @@ NO_EFFECT: Mapping[str, _Accepted] = MappingProxyType({
 })
 
 # Every keyword checked on its own, config or not (and that LLM(config=...) therefore does not count as a
-# conflict): NO_EFFECT's, and worker_extension_cls (the facade's: runner.rpc.load_extension).
-CHECKED_APART = frozenset(NO_EFFECT) | {"worker_extension_cls"}
+# conflict): NO_EFFECT's, worker_extension_cls (the facade's: runner.rpc.load_extension) and profiler_config
+# (the facade's: profiler.profiler_config).
+CHECKED_APART = frozenset(NO_EFFECT) | {"worker_extension_cls", "profiler_config"}
 
 
 def check_no_effect_options(options: Mapping[str, Any]) -> None:
