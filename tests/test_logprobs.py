@@ -263,3 +263,44 @@ def test_ignore_eos_keeps_a_structured_sequence_going(llm):
     out = llm.generate("Repeat ab:", params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 12
     assert re.fullmatch(r"(ab)*a?", out.text), out.text
+
+
+def test_flat_logprobs_read_as_the_list_of_dicts(llm):
+    """vLLM's flat_logprobs=True: one FlatLogprobs per output (and for the prompt) holding the same entries as
+    the list form, read the same way; the first prompt position is empty ({}), as in vLLM."""
+    from collections.abc import MutableSequence
+
+    from tidyrun.logprobs import FlatLogprobs, Logprob
+
+    kw = dict(temperature=1.0, seed=3, max_tokens=6, logprobs=2, prompt_logprobs=1, ignore_eos=True, n=2)
+    nested, flat = (llm.generate(PROMPTS[1], SamplingParams(flat_logprobs=f, **kw), use_tqdm=False)[0]
+                    for f in (False, True))
+    for a, b in zip(nested.outputs, flat.outputs):
+        assert isinstance(b.logprobs, FlatLogprobs) and isinstance(b.logprobs, MutableSequence)
+        assert b.token_ids == a.token_ids and len(b.logprobs) == len(a.logprobs) == 6
+        assert list(b.logprobs) == a.logprobs and [b.logprobs[t] for t in range(-6, 0)] == a.logprobs
+        assert b.logprobs[t := 2][b.token_ids[t]].logprob == a.logprobs[t][a.token_ids[t]].logprob
+        assert list(b.logprobs[1:4]) == a.logprobs[1:4] and list(b.logprobs[::-2]) == a.logprobs[::-2]
+        assert b.cumulative_logprob == a.cumulative_logprob
+        assert len(b.logprobs.token_ids) == sum(len(d) for d in a.logprobs)  # flat lists, no dicts kept
+    assert nested.prompt_logprobs[0] is None and flat.prompt_logprobs[0] == {}
+    assert list(flat.prompt_logprobs)[1:] == nested.prompt_logprobs[1:]
+    with pytest.raises(TypeError, match="append-only"):
+        flat.outputs[0].logprobs[0] = {1: Logprob(0.0)}
+    with pytest.raises(TypeError, match="append-only"):
+        del flat.outputs[0].logprobs[0]
+    with pytest.raises(InvalidRequestError, match="flat_logprobs must be a bool"):
+        SamplingParams(flat_logprobs=1)
+
+
+def test_skip_reading_prefix_cache_recomputes_the_prompt(llm):
+    prompt = "Once upon a time, in a land far away, there lived a dragon who loved " * 3
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    cached = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    skipped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, skip_reading_prefix_cache=True),
+                           use_tqdm=False)[0]
+    assert cached.num_cached_tokens > 0 and skipped.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == cached.outputs[0].token_ids == skipped.outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="skip_reading_prefix_cache must be a bool or None"):
+        SamplingParams(skip_reading_prefix_cache="yes")

@@ -35,7 +35,7 @@ from .intake import (Prompt, PromptType, RequestIntake, check_no_priority, check
 from .kv_cache import BlockPool
 from .llm_engine import WeightSyncPath
 from .loader import generation_defaults, open_engine_source, open_engine_tokenizer
-from .logprobs import prompt_logprobs, sample_logprobs
+from .logprobs import FlatLogprobs, add_records
 from .metrics_reader import Metric, metrics_from_stats
 from .outputs import (CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                       ScoringRequestOutput, embedding_outputs, pooling_outputs, scoring_outputs)
@@ -73,23 +73,27 @@ class _Request:
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
                              self._prompt_logprob_dicts(decode), outs, self.num_cached_tokens)
 
-    def _logprob_dicts(self, seq: Sequence, decode) -> list | None:
+    def _logprob_dicts(self, seq: Sequence, decode) -> list | FlatLogprobs | None:
         if seq.logprobs is None:
             return None
-        built = self._sample_dicts.setdefault(seq.index, [])
-        built += sample_logprobs(seq.logprobs[len(built):], decode)
-        return list(built)
+        built = self._sample_dicts.get(seq.index)
+        if built is None:
+            built = self._sample_dicts[seq.index] = FlatLogprobs() if seq.params.flat_logprobs else []
+        add_records(built, seq.logprobs[len(built):], decode)
+        return built[:]
 
-    def _prompt_logprob_dicts(self, decode) -> list | None:
-        records = self.seqs[0].prompt_logprobs  # every sample has the same prompt: the first one's
+    def _prompt_logprob_dicts(self, decode) -> list | FlatLogprobs | None:
+        first = self.seqs[0]  # every sample has the same prompt: the first one's
+        records = first.prompt_logprobs
         if records is None:
             return None
         if self._prompt_dicts is not None:
-            return list(self._prompt_dicts)
-        dicts = prompt_logprobs(records, decode)
+            return self._prompt_dicts[:]
+        dicts = FlatLogprobs() if first.params.flat_logprobs else []
+        add_records(dicts, records, decode)
         if all(r is not None for r in records[1:]):  # complete: never changes again
             self._prompt_dicts = dicts
-        return list(dicts)
+        return dicts[:]
 
     @property
     def num_cached_tokens(self) -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import MutableSequence
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -15,10 +16,85 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@dataclass
+class FlatLogprobs(MutableSequence):
+    """A request's logprobs as six flat lists (vLLM's ``SamplingParams(flat_logprobs=True)``): a long rollout's
+    records stay a handful of objects for the garbage collector instead of a dict and a Logprob per entry.
+    Reads as the list of dicts does (``lp[t][token].logprob``, ``len``, iteration, slices): position ``i``
+    holds entries ``start_indices[i]`` to ``end_indices[i]`` (excluded), its sampled (or prompt) token
+    first. The first prompt position, None in the list form, is an empty range here (``{}``), as in vLLM.
+    Append-only: replacing or removing a position raises TypeError."""
+
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+    def append(self, position: dict[int, Logprob] | None) -> None:
+        """Add the next position ({token id: Logprob}; None: no entries)."""
+        self.start_indices.append(len(self.token_ids))
+        for token, lp in (position or {}).items():
+            self.token_ids.append(token)
+            self.logprobs.append(lp.logprob)
+            self.ranks.append(lp.rank)
+            self.decoded_tokens.append(lp.decoded_token)
+        self.end_indices.append(len(self.token_ids))
+
+    def append_record(self, record, decode) -> None:
+        """Add the next position straight from a record (``to_logprob_dict``'s), without building its dict."""
+        self.start_indices.append(len(self.token_ids))
+        if record is not None:
+            token, value, rank, top_ids, top_values = record
+            self.token_ids.append(token)
+            self.logprobs.append(value)
+            self.ranks.append(rank)
+            self.decoded_tokens.append(decode(token))
+            for r, (t, v) in enumerate(zip(top_ids, top_values), start=1):
+                if t != token:
+                    self.token_ids.append(t)
+                    self.logprobs.append(v)
+                    self.ranks.append(r)
+                    self.decoded_tokens.append(decode(t))
+        self.end_indices.append(len(self.token_ids))
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):  # copied list by list: no dict or Logprob made
+            out = FlatLogprobs()
+            for i in range(*index.indices(len(self))):
+                start, end = self.start_indices[i], self.end_indices[i]
+                out.start_indices.append(len(out.token_ids))
+                out.token_ids += self.token_ids[start:end]
+                out.logprobs += self.logprobs[start:end]
+                out.ranks += self.ranks[start:end]
+                out.decoded_tokens += self.decoded_tokens[start:end]
+                out.end_indices.append(len(out.token_ids))
+            return out
+        start, end = self.start_indices[index], self.end_indices[index]
+        return {self.token_ids[j]: Logprob(self.logprobs[j], self.ranks[j], self.decoded_tokens[j])
+                for j in range(start, end)}
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __setitem__(self, index, value) -> None:
+        raise TypeError("FlatLogprobs is append-only")
+
+    def __delitem__(self, index) -> None:
+        raise TypeError("FlatLogprobs is append-only")
+
+    def insert(self, index, value) -> None:
+        raise TypeError("FlatLogprobs is append-only")
+
+
 # Per generated token: {token id: Logprob} holding the sampled token and the top-k.
-SampleLogprobs = list[dict[int, Logprob]]
+SampleLogprobs = list[dict[int, Logprob]] | FlatLogprobs
 # Per prompt token: None for the first (nothing predicts it), then {token id: Logprob}.
-PromptLogprobs = list[dict[int, Logprob] | None]
+PromptLogprobs = list[dict[int, Logprob] | None] | FlatLogprobs
 
 
 def to_logprob_dict(record, decode) -> dict[int, Logprob]:
@@ -32,9 +108,11 @@ def to_logprob_dict(record, decode) -> dict[int, Logprob]:
     return out
 
 
-def sample_logprobs(records, decode) -> SampleLogprobs:
-    return [to_logprob_dict(r, decode) for r in records]
-
-
-def prompt_logprobs(records, decode) -> PromptLogprobs:
-    return [None if r is None else to_logprob_dict(r, decode) for r in records]
+def add_records(built: list | FlatLogprobs, records, decode) -> None:
+    """Append the positions of ``records`` (None: the first prompt position) to ``built``, a list of dicts or a
+    FlatLogprobs."""
+    if isinstance(built, FlatLogprobs):
+        for r in records:
+            built.append_record(r, decode)
+    else:
+        built += [None if r is None else to_logprob_dict(r, decode) for r in records]

@@ -118,7 +118,8 @@ class SamplingParams:
     subtract once per seen output token / per occurrence. ``logprobs=k``
     returns, per generated token, the sampled token's log-probability and the
     k most likely tokens' (``0``: the sampled token only; ``-1``: the whole
-    vocabulary); ``prompt_logprobs`` does the same for the prompt's tokens.
+    vocabulary); ``prompt_logprobs`` does the same for the prompt's tokens;
+    ``flat_logprobs=True`` returns both as ``FlatLogprobs`` (read the same way).
     ``best_of`` must equal ``n`` (as in vLLM v1). ``logits_processors`` (per
     request callables) are refused, as in vLLM v1.
     """
@@ -141,6 +142,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    flat_logprobs: bool = False  # logprobs as one FlatLogprobs (six flat lists) instead of a list of dicts
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -153,6 +155,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None
+    skip_reading_prefix_cache: bool | None = None  # True: recompute the whole prompt (None: only for prompt_logprobs)
     # Filled by ``resolved``: token id sequences of ``bad_words`` (each word with and without a leading space).
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
@@ -203,7 +206,7 @@ class SamplingParams:
         if not self.detokenize and self.stop:
             raise _bad("stop strings need detokenize=True")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "flat_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logit_bias is not None:
@@ -223,6 +226,8 @@ class SamplingParams:
             self.structured_outputs.validate()
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise _bad("extra_args must be a dict")
+        if self.skip_reading_prefix_cache not in (None, True, False):
+            raise _bad(f"skip_reading_prefix_cache must be a bool or None, got {self.skip_reading_prefix_cache!r}")
 
     def _normalise(self) -> None:
         stop = self.stop

@@ -71,9 +71,10 @@ class Scheduler:
         """Cached blocks for the start of a sequence that holds no blocks yet.
 
         At least the last token is always recomputed: its logits are needed. A request that asked for
-        prompt logprobs computes its whole prompt (cached blocks would skip their logits).
+        prompt logprobs computes its whole prompt (cached blocks would skip their logits), as does one that
+        asked for ``skip_reading_prefix_cache`` (its blocks are still offered to others).
         """
-        if seq.prompt_logprobs is not None:
+        if seq.prompt_logprobs is not None or seq.params.skip_reading_prefix_cache:
             return []
         full = (seq.num_tokens - 1) // self.block_size
         return self.pool.lookup(seq.block_keys(self.block_size, full)) if full else []
