@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.entrypoints`` import path (``.chat_utils``); tidyrun's server is ``tidyrun.server``."""
