@@ -1,9 +1,9 @@
 """User programs shaped like vLLM's offline-inference examples run on tidyrun with only the import changed.
 
 Each program below is what a vLLM user writes (basic generation, an engine built from CLI keyword arguments,
-chat, seeded reproducibility, prefix caching); every call in it is vLLM's API and the one tidyrun-specific line
+chat, seeded reproducibility, prefix caching, metrics, profiling); every call in it is vLLM's API and the one tidyrun-specific line
 is ``from tidyrun import ...``. The model is named by its Hugging Face id, resolved from a fake local HF cache
-(HF_HOME in a tmp dir) holding the bundled GGUF file. To keep CPU time low the five programs run in one fresh
+(HF_HOME in a tmp dir) holding the bundled GGUF file. To keep CPU time low the programs run in one fresh
 interpreter, one after another as ``__main__`` (runpy), each building its own engines as it would alone; the
 tests assert on what they print.
 """
@@ -241,6 +241,56 @@ PROGRAMS = {
         if __name__ == "__main__":
             main()
     ''',
+    "metrics": '''
+        """vLLM's offline metrics example: generate, then read the engine's metrics by kind."""
+        from tidyrun import LLM, SamplingParams
+        from tidyrun.v1.metrics.reader import Counter, Gauge, Histogram, Vector
+
+        prompts = ["The quick brown fox", "Once upon a time", "The three primary colours are"]
+        sampling_params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8)
+
+
+        def main():
+            llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=512, disable_log_stats=False)
+            llm.generate(prompts, sampling_params)
+            for metric in llm.get_metrics():
+                if isinstance(metric, Gauge):
+                    print(f"{metric.name} (gauge) = {metric.value}")
+                elif isinstance(metric, Counter):
+                    print(f"{metric.name} (counter) = {metric.value}")
+                elif isinstance(metric, Vector):
+                    print(f"{metric.name} (vector) = {metric.values}")
+                elif isinstance(metric, Histogram):
+                    print(f"{metric.name} (histogram) sum = {metric.sum} count = {metric.count}")
+
+
+        if __name__ == "__main__":
+            main()
+    ''',
+    "profiling": '''
+        """vLLM's simple_profiling example: a torch profiler trace of one generate() call."""
+        import os
+
+        from tidyrun import LLM, SamplingParams
+
+        prompts = ["Hello, my name is", "The capital of France is"]
+        sampling_params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=4)
+
+
+        def main():
+            llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=512,
+                      profiler_config={"profiler": "torch", "torch_profiler_dir": "./vllm_profile"})
+            llm.start_profile()
+            outputs = llm.generate(prompts, sampling_params)
+            llm.stop_profile()
+            for output in outputs:
+                print(f"Prompt: {output.prompt!r}, Generated text: {output.outputs[0].text!r}")
+            print(f"Traces: {sorted(os.listdir('./vllm_profile'))!r}")
+
+
+        if __name__ == "__main__":
+            main()
+    ''',
 }
 
 # Arguments as a user passes them on the command line (vLLM's EngineArgs options for "generate").
@@ -284,7 +334,7 @@ def write_fake_hf_cache(root: str) -> None:
 
 @pytest.fixture(scope="module")
 def printed(tmp_path_factory) -> dict[str, str]:
-    """Each program's printed output, by name (all five run once, in one fresh interpreter)."""
+    """Each program's printed output, by name (all run once, in one fresh interpreter)."""
     root = tmp_path_factory.mktemp("vllm_examples")
     hf_home = str(root / "hf_home")
     write_fake_hf_cache(hf_home)
@@ -319,11 +369,15 @@ def reprs(pattern: str, text: str) -> list:
 REPR = r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
 
 
+IMPORTS = {"generate": ["from tidyrun import LLM, EngineArgs", "from tidyrun.utils import FlexibleArgumentParser"],
+           "metrics": ["from tidyrun import LLM, SamplingParams",
+                       "from tidyrun.v1.metrics.reader import Counter, Gauge, Histogram, Vector"]}
+
+
 def test_programs_differ_from_vllms_only_in_the_import():
     for name, source in PROGRAMS.items():
         lines = [line.strip() for line in source.splitlines() if "tidyrun" in line]
-        assert lines == (["from tidyrun import LLM, SamplingParams"] if name != "generate" else
-                         ["from tidyrun import LLM, EngineArgs", "from tidyrun.utils import FlexibleArgumentParser"]), name
+        assert lines == IMPORTS.get(name, ["from tidyrun import LLM, SamplingParams"]), name
         compile(textwrap.dedent(source), name, "exec")
 
 
@@ -383,3 +437,17 @@ def test_prefix_caching_example(printed):
     assert "Same answers: True" in out
     # Every prompt was admitted after the warm-up had cached the shared prefix (whole 16-token blocks of it).
     assert all(int(n) >= 48 for *_, n in cached), out
+
+
+def test_metrics_example(printed):
+    out = output_of(printed, "metrics")
+    values = dict(re.findall(r"^(vllm:\w+) \((?:gauge|counter)\) = ([\d.]+)$", out, re.M))
+    assert float(values["vllm:num_requests_running"]) == float(values["vllm:num_requests_waiting"]) == 0, out
+    assert int(values["vllm:prefix_cache_queries"]) > 0, out  # the three prompts' tokens were looked up
+
+
+def test_profiling_example(printed):
+    out = output_of(printed, "profiling")
+    assert len(reprs(rf"^Prompt: {REPR}, Generated text: {REPR}$", out)) == 2, out
+    [traces] = reprs(r"^Traces: (\[.*\])$", out)
+    assert len(traces) == 1 and traces[0].startswith("tidyrun.") and traces[0].endswith(".pt.trace.json.gz"), out

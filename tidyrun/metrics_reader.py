@@ -26,6 +26,20 @@ class Gauge(Metric):
     value: float = 0.0
 
 
+# vLLM's other two kinds. tidyrun reports none of them yet (its figures are counts and gauges), but code written
+# for vLLM dispatches on all four (``isinstance(metric, Histogram)``, vLLM's offline metrics example).
+@dataclass(frozen=True)
+class Vector(Metric):
+    values: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Histogram(Metric):
+    count: int = 0
+    sum: float = 0.0
+    buckets: dict[str, int] = field(default_factory=dict)
+
+
 # (vLLM's name, kind, the key of LLM.stats() it reads)
 _METRICS = (
     ("vllm:num_requests_running", Gauge, "running"),
