@@ -487,6 +487,11 @@ class WeightSyncExtension:
         return str(self.device), self.local_rank
 
 
+def model_facts(model) -> tuple[str, int]:
+    """An apply_model function (module level: it pickles to tensor-parallel workers)."""
+    return type(model).__name__, sum(p.numel() for p in model.parameters())
+
+
 def test_collective_rpc(dummy, neutral, reference):
     real = list(neutral.source.iter_weights())
     assert greedy(dummy) != reference  # random weights
@@ -516,6 +521,15 @@ def test_a_collective_rpc_function_loads_weights_one_at_a_time_as_in_vllm(tiny_l
         assert llm.reset_prefix_cache() and greedy(llm) != before
         assert llm.collective_rpc(push, args=(tensor,)) == [{name}]
         assert llm.reset_prefix_cache() and greedy(llm) == before
+        # vLLM's apply_model: the function gets the model itself, the same one collective_rpc's worker holds.
+        assert llm.apply_model(lambda model: model.load_weights([(name, torch.zeros_like(tensor))])) == [{name}]
+        assert llm.reset_prefix_cache() and greedy(llm) != before
+        llm.apply_model(lambda model: model.load_weights([(name, tensor)]))
+        assert llm.reset_prefix_cache() and greedy(llm) == before
+        [(kind, count)] = llm.apply_model(model_facts)
+        assert count == sum(t.numel() for _, t in llm.source.iter_weights()) and kind.endswith("ForCausalLM")
+        with pytest.raises(InvalidRequestError, match="apply_model needs a function of the model, got str"):
+            llm.apply_model("load_weights")
     finally:
         llm.shutdown()
 
@@ -641,6 +655,7 @@ def test_collective_rpc_reaches_every_tensor_parallel_rank(tmp_path):
     with LLM(folder, device="cpu", tensor_parallel_size=2, kv_cache_memory=4 << 20,
              distributed_executor_backend="mp") as llm:
         assert llm.collective_rpc(runner_facts, args=("x",)) == [("TPDriverRunner", 0, "x"), ("ModelRunner", 1, "x")]
+        assert [kind for kind, _ in llm.apply_model(model_facts)] == ["LlamaForCausalLM"] * 2  # each rank's model
         before = greedy(llm)
         weights = dict(llm.source.iter_weights())
         noisy = {n: t.flip(0) for n, t in weights.items() if n.endswith("up_proj.weight")}
@@ -665,7 +680,8 @@ def test_new_methods_after_shutdown(tiny_llama_dir):
     path = llm.llm_engine.model_executor.driver_worker.model_runner.model
     llm.shutdown()
     calls = [llm.get_tokenizer, llm.get_default_sampling_params, llm.reset_prefix_cache, lambda: llm.llm_engine,
-             lambda: llm.collective_rpc(runner_facts, args=(1,)), lambda: llm.load_weights([]),
+             lambda: llm.collective_rpc(runner_facts, args=(1,)), lambda: llm.apply_model(model_facts),
+             lambda: llm.load_weights([]),
              lambda: path.load_weights([])]
     for call in calls:
         with pytest.raises(EngineShutdownError, match="shut down"):

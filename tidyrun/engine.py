@@ -45,7 +45,7 @@ from .profiler import Profile, profiler_config as parse_profiler_config
 from .report import ShutdownReport
 from .resources import drop_traceback_locals
 from .runner import ModelRunner
-from .runner.rpc import call_on_rank, check_rpc_method, load_extension
+from .runner.rpc import ApplyModel, call_on_rank, check_rpc_method, load_extension
 from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, streamable_length
@@ -496,6 +496,15 @@ class LLM:
             return self._on_ranks(method, args, kwargs)
         finally:
             self.scheduler.pool.reset_prefix_cache()  # cached keys/values came from the old weights
+
+    def apply_model(self, func) -> list:
+        """vLLM's ``apply_model``: ``func(model)`` on every rank's model (tidyrun's module: its parameters,
+        ``load_weights(pairs)``); the results by rank. As with ``collective_rpc``, call
+        ``reset_prefix_cache()`` after changing weights this way."""
+        self._check_alive()
+        if not callable(func):
+            raise InvalidRequestError(f"apply_model needs a function of the model, got {type(func).__name__}")
+        return self._on_ranks(ApplyModel(func), (), {})
 
     def _on_ranks(self, method, args: tuple, kwargs: dict) -> list:
         if self.config.tensor_parallel_size > 1:

@@ -85,6 +85,17 @@ class RankWorker:
         return f"RankWorker(rank={self.rank}, device={self.device})"
 
 
+class ApplyModel:
+    """``LLM.apply_model(func)`` as a ``collective_rpc`` function: ``func`` called with the rank's model (a
+    class, not a closure, so that it pickles to tensor-parallel workers whenever ``func`` does)."""
+
+    def __init__(self, func) -> None:
+        self.func = func
+
+    def __call__(self, worker: RankWorker):
+        return self.func(worker.model_runner.model)
+
+
 def call_on_rank(runner, method, args: tuple, kwargs: dict):
     """Run ``method`` (from ``check_rpc_method``) on this rank's runner; returns its result. A function gets the
     rank's ``RankWorker`` (one per runner: what it keeps on it stays for the next call)."""
