@@ -27,7 +27,7 @@ ADMIN, USER = "admin-key", "user-key"
 AS_ADMIN = {"authorization": f"Bearer {ADMIN}"}
 # (method, path) of every lifecycle and admin route
 ROUTES = [("post", "/sleep"), ("post", "/wake_up"), ("get", "/is_sleeping"), ("post", "/reset_prefix_cache"),
-          ("post", "/update_weights"), ("post", "/shutdown")]
+          ("post", "/start_profile"), ("post", "/stop_profile"), ("post", "/update_weights"), ("post", "/shutdown")]
 PROMPT = {"prompt": [5, 17, 99, 3, 250, 7, 42, 11], "max_tokens": 6, "temperature": 0, "logprobs": 5}
 
 
@@ -204,6 +204,25 @@ def test_reset_prefix_cache(loop, folders):
     assert c.post("/reset_prefix_cache", headers=AS_ADMIN).json() == {"reset": True}
     c.post("/v1/completions", json=body, headers={"authorization": f"Bearer {USER}"})
     assert asyncio.run(hits()) == cached  # after the reset, nothing to reuse
+
+
+def test_profiling_routes(loop, folders, tmp_path):
+    c = admin_client(loop, folders)  # the module's engine has no profiler: a 400 saying how to configure one
+    assert_error(c.post("/start_profile", headers=AS_ADMIN), 400, "profiling is off", "VLLM_TORCH_PROFILER_DIR")
+    assert_error(c.post("/stop_profile", headers=AS_ADMIN), 400, "no profile is running")
+    traced = EngineLoop(LLM(folders[0], device="cpu", max_model_len=64,
+                            profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)}))
+    traced.start()
+    try:
+        c = admin_client(traced, folders)
+        assert c.post("/start_profile", headers=AS_ADMIN).json() == {"profiling": True}
+        assert_error(c.post("/start_profile", headers=AS_ADMIN), 400, "already running")
+        greedy(c)
+        r = c.post("/stop_profile", headers=AS_ADMIN)
+        assert r.status_code == 200 and r.json()["profiling"] is False
+        assert os.path.dirname(r.json()["trace"]) == str(tmp_path) and os.listdir(tmp_path)
+    finally:
+        assert traced.stop().clean
 
 
 # -- update_weights: where from -------------------------------------------------------------------

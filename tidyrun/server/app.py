@@ -451,8 +451,8 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
 
 def _add_lifecycle_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics, check_admin: Callable,
                           weights_root: str | None, request_exit: Callable[[], None] | None) -> None:
-    """POST /sleep, /wake_up, /reset_prefix_cache, GET /is_sleeping; /update_weights with a weights dir;
-    /shutdown with ``request_exit``. All behind ``check_admin``."""
+    """POST /sleep, /wake_up, /reset_prefix_cache, /start_profile, /stop_profile, GET /is_sleeping;
+    /update_weights with a weights dir; /shutdown with ``request_exit``. All behind ``check_admin``."""
     admin = [Depends(check_admin)]
 
     @app.post("/sleep", dependencies=admin)
@@ -482,6 +482,20 @@ def _add_lifecycle_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics
                            "only while the engine is idle); retry when they are done", "conflict")
         metrics.count("/reset_prefix_cache", 200)
         return {"reset": True}
+
+    # vLLM's profiling routes: the engine's start_profile / stop_profile (on its thread, where its steps run),
+    # as LLM(profiler_config=) or VLLM_TORCH_PROFILER_DIR configured it; a 400 naming the fix otherwise.
+    @app.post("/start_profile", dependencies=admin)
+    async def start_profile():
+        await loop.call(lambda e: e.start_profile())
+        metrics.count("/start_profile", 200)
+        return {"profiling": True}
+
+    @app.post("/stop_profile", dependencies=admin)
+    async def stop_profile():
+        trace = await loop.call(lambda e: e.stop_profile())
+        metrics.count("/stop_profile", 200)
+        return {"profiling": False, "trace": trace}
 
     if weights_root is not None:
         def update_files(raw: str) -> list[str]:
