@@ -67,6 +67,10 @@ def test_misuse_is_refused_naming_what_to_do(tiny_llama_dir, tmp_path, monkeypat
         with pytest.raises(InvalidRequestError, match="already running"):
             llm.start_profile()
         llm.stop_profile()
+        for prefix in ("../escape", "", 7):
+            with pytest.raises(InvalidRequestError, match="without path separators"):
+                llm.start_profile(profile_prefix=prefix)
+        assert os.listdir(tmp_path) and not os.path.exists(tmp_path.parent / "escape")
     with engine(tiny_llama_dir, profiler_config={"profiler": "cuda"}) as llm:
         with pytest.raises(InvalidRequestError, match="'cuda' needs a CUDA device"):
             llm.start_profile()

@@ -64,6 +64,10 @@ class Profile:
         if config.profiler == "cuda" and device.type != "cuda":
             raise InvalidRequestError(f"start_profile(): profiler 'cuda' needs a CUDA device; this engine runs on "
                                       f"{device}; use profiler 'torch'")
+        if prefix is not None and (not isinstance(prefix, str) or not prefix or os.sep in prefix
+                                   or (os.altsep and os.altsep in prefix) or prefix in (".", "..")):
+            raise InvalidRequestError(f"start_profile(profile_prefix={prefix!r}): a file name's start, without "
+                                      "path separators (the trace goes to torch_profiler_dir)")
         self.config, self.device, self.prefix = config, device, prefix or "tidyrun"
         self._torch = None
         if config.profiler == "cuda":
