@@ -3,11 +3,12 @@ imports get_tokenizer, get_open_port, LoRARequest and resolve_hf_chat_template):
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
-from tidyrun import InvalidRequestError, SamplingParams
+from tidyrun import InvalidRequestError, ModelLoadError, SamplingParams
 from tidyrun.entrypoints.chat_utils import resolve_hf_chat_template
 from tidyrun.lora.request import LoRARequest
 from tidyrun.transformers_utils.tokenizer import get_tokenizer
@@ -23,6 +24,12 @@ def test_get_tokenizer_gives_the_models_tokenizer(llm, default_model, hf_tokeniz
     assert get_tokenizer(hf_tokenizer_dir, tokenizer_mode="slow").encode(text) == want  # use_fast=False
     with pytest.raises(InvalidRequestError, match="tokenizer_mode='mistral' is not supported"):
         get_tokenizer(hf_tokenizer_dir, tokenizer_mode="mistral")
+    with pytest.raises(InvalidRequestError, match="a path or a Hugging Face id, got NoneType"):
+        get_tokenizer(None)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        get_tokenizer(os.path.join(hf_tokenizer_dir, "missing"))
+    with pytest.raises(ModelLoadError, match="cannot load the tokenizer"):
+        get_tokenizer(os.path.dirname(hf_tokenizer_dir))  # a folder with no tokenizer in it
 
 
 def test_get_open_port_is_free():

@@ -36,6 +36,9 @@ def get_tokenizer(tokenizer_name, *args, tokenizer_mode: str = "auto", trust_rem
     if tokenizer_mode not in ("auto", "hf", "slow"):
         raise InvalidRequestError(f"get_tokenizer: tokenizer_mode={tokenizer_mode!r} is not supported; use 'auto' "
                                   "or 'slow'")
+    if not isinstance(tokenizer_name, (str, os.PathLike)):
+        raise InvalidRequestError(f"get_tokenizer: tokenizer_name must be a path or a Hugging Face id, got "
+                                  f"{type(tokenizer_name).__name__}")
     path = resolve_path(os.fspath(tokenizer_name), revision, download_dir, what="tokenizer")
     gguf = _gguf_of(path)
     try:
