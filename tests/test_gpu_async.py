@@ -37,18 +37,31 @@ def outputs(default_model, params, modes=(False, True), **kw) -> dict:
     return got
 
 
+def assert_same(got: dict) -> None:
+    """Async (``got[True]``) equals sync (``got[False]``); else fail naming the first request, sample and token
+    where they part, short enough to survive a log's tail (one such failure was seen once and not explained)."""
+    for i, (ahead, sync) in enumerate(zip(got[True], got[False])):
+        for j, ((a_tok, a_why, a_rec), (s_tok, s_why, s_rec)) in enumerate(zip(ahead, sync)):
+            if (a_tok, a_why, a_rec) != (s_tok, s_why, s_rec):
+                t = next((k for k, (x, y) in enumerate(zip(a_tok, s_tok)) if x != y), min(len(a_tok), len(s_tok)))
+                raise AssertionError(f"request {i} sample {j}: async {len(a_tok)} tokens ({a_why}), sync "
+                                     f"{len(s_tok)} ({s_why}); tokens part at {t}: {a_tok[t:t + 3]} vs {s_tok[t:t + 3]}; "
+                                     f"records equal: {a_rec == s_rec}")
+    assert len(got[True]) == len(got[False]) and got[True] == got[False]
+
+
 def test_cuda_async_equals_sync_at_equal_lengths(default_model):
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)] * 4
     got = outputs(default_model, params)
-    assert got[True] == got[False]
+    assert_same(got)
 
 
 def test_cuda_async_equals_sync_batch_invariant(default_model):
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (3, 50, 17, 64)]
     params += [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=n) for s, n in ((1, 9), (2, 40), (3, 1), (4, 30))]
     got = outputs(default_model, params, batch_invariant=True)
-    assert got[True] == got[False]
+    assert_same(got)
 
 
 def test_cuda_rollout_logprobs_ahead_equal_sync(default_model):
@@ -58,7 +71,7 @@ def test_cuda_rollout_logprobs_ahead_equal_sync(default_model):
     params += [SamplingParams(temperature=1.0, seed=s, max_tokens=n, logprobs=0, n=2) for s, n in ((1, 30), (2, 12))]
     params += [SamplingParams(temperature=1.0, seed=9, max_tokens=20), SamplingParams(temperature=0, max_tokens=33)]
     got = outputs(default_model, params, batch_invariant=True)
-    assert got[True] == got[False]
+    assert_same(got)
     assert all(c[2] is not None for o in got[True][:6] for c in o) and got[True][6][0][2] is None
 
 
@@ -80,7 +93,7 @@ def test_cuda_processed_steps_sampled_after_booking_equal_sync(default_model):
                SamplingParams(temperature=0, max_tokens=90, logprobs=0),
                SamplingParams(temperature=0.8, seed=2, max_tokens=80, logprobs=0)]
     got = outputs(default_model, params, batch_invariant=True)
-    assert got[True] == got[False]
+    assert_same(got)
 
 
 def test_cuda_masked_race_gives_the_processed_paths_tokens(default_model, monkeypatch):
@@ -104,4 +117,4 @@ def test_cuda_masked_race_gives_the_processed_paths_tokens(default_model, monkey
                 if recs is not None:
                     assert [[(t, r) for t, r, _ in d] for d in recs] == [[(t, r) for t, r, _ in d] for d in want_recs]
                     assert max(abs(v - w) for d, e in zip(recs, want_recs) for (_, _, v), (_, _, w) in zip(d, e)) <= 1e-4
-    assert got[True] == got[False]
+    assert_same(got)
