@@ -36,10 +36,7 @@ class FlatLogprobs(MutableSequence):
         """Add the next position ({token id: Logprob}; None: no entries)."""
         self.start_indices.append(len(self.token_ids))
         for token, lp in (position or {}).items():
-            self.token_ids.append(token)
-            self.logprobs.append(lp.logprob)
-            self.ranks.append(lp.rank)
-            self.decoded_tokens.append(lp.decoded_token)
+            self._add(token, lp.logprob, lp.rank, lp.decoded_token)
         self.end_indices.append(len(self.token_ids))
 
     def append_record(self, record, decode) -> None:
@@ -47,32 +44,36 @@ class FlatLogprobs(MutableSequence):
         self.start_indices.append(len(self.token_ids))
         if record is not None:
             token, value, rank, top_ids, top_values = record
-            self.token_ids.append(token)
-            self.logprobs.append(value)
-            self.ranks.append(rank)
-            self.decoded_tokens.append(decode(token))
+            self._add(token, value, rank, decode(token))
             for r, (t, v) in enumerate(zip(top_ids, top_values), start=1):
                 if t != token:
-                    self.token_ids.append(t)
-                    self.logprobs.append(v)
-                    self.ranks.append(r)
-                    self.decoded_tokens.append(decode(t))
+                    self._add(t, v, r, decode(t))
         self.end_indices.append(len(self.token_ids))
+
+    def _add(self, token: int, logprob: float, rank: int | None, text: str | None) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.ranks.append(rank)
+        self.decoded_tokens.append(text)
 
     def __len__(self) -> int:
         return len(self.start_indices)
 
     def __getitem__(self, index):
-        if isinstance(index, slice):  # copied list by list: no dict or Logprob made
+        if isinstance(index, slice):
+            positions = range(*index.indices(len(self)))
+            # Consecutive positions hold consecutive entries: the lists are sliced, not rebuilt position by
+            # position (the engine copies a request's logprobs into every output it hands out, each stream step).
+            if positions.step == 1:
+                lo = self.start_indices[positions.start] if positions else 0
+                hi = self.end_indices[positions.stop - 1] if positions else 0
+                return FlatLogprobs([i - lo for i in self.start_indices[positions.start:positions.stop]],
+                                    [i - lo for i in self.end_indices[positions.start:positions.stop]],
+                                    self.token_ids[lo:hi], self.logprobs[lo:hi], self.ranks[lo:hi],
+                                    self.decoded_tokens[lo:hi])
             out = FlatLogprobs()
-            for i in range(*index.indices(len(self))):
-                start, end = self.start_indices[i], self.end_indices[i]
-                out.start_indices.append(len(out.token_ids))
-                out.token_ids += self.token_ids[start:end]
-                out.logprobs += self.logprobs[start:end]
-                out.ranks += self.ranks[start:end]
-                out.decoded_tokens += self.decoded_tokens[start:end]
-                out.end_indices.append(len(out.token_ids))
+            for i in positions:
+                out.append(self[i])
             return out
         start, end = self.start_indices[index], self.end_indices[index]
         return {self.token_ids[j]: Logprob(self.logprobs[j], self.ranks[j], self.decoded_tokens[j])
