@@ -536,8 +536,6 @@ class LLM:
         self._check_alive()
         return self.runner.ledger.report()
 
-    # -- requests ----------------------------------------------------------------------
-
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """Start tracing what this engine runs (vLLM's ``start_profile``), as ``LLM(profiler_config=)`` or
         ``VLLM_TORCH_PROFILER_DIR`` says (profiler.py); ``profile_prefix`` names the trace file (default
@@ -557,6 +555,8 @@ class LLM:
     def _end_profile(self) -> str | None:
         profile, self._profile = self._profile, None
         return profile.stop()
+
+    # -- requests ----------------------------------------------------------------------
 
     def _check_alive(self) -> None:
         if self._closed:
