@@ -13,7 +13,7 @@ over the vocabulary in Python.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence as Seq
+from collections.abc import Callable, Collection, Sequence as Seq
 
 import torch
 
@@ -80,13 +80,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: Seq[Sequence]) 
 
 
 def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Collection[int],
-                   masks: PendingMasks | None = None) -> None:
+                   masks: PendingMasks | None = None,
+                   send_mask: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Apply every sequence's processing to its row of ``logits`` (float32 [len(seqs), vocab]), in place.
 
     ``masks``: the grammar rows' masks, already being filled on another thread
     (``GrammarCompiler.fill_later``, for exactly the sequences of ``seqs``
     that have a grammar, in order); None computes them here. The rows' other
-    rules are collected before waiting for them.
+    rules are collected before waiting for them. ``send_mask``: how the host bitmask reaches the logits'
+    device (the runner's pinned staging, ``StepInputs.send_mask``; None: a plain copy).
     """
     dev, vocab = logits.device, logits.shape[-1]
     ban_rows: list[int] = []
@@ -145,6 +147,8 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
     if ban_rows:
         logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_tokens, device=dev)] = _NEG_INF
     if bitmask is not None:
+        if send_mask is not None:
+            bitmask = send_mask(bitmask)
         apply_bitmask(logits, bitmask, None if len(grammar_rows) == len(seqs) else grammar_rows)  # None: no gather
     if bias_rows:
         logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_tokens, device=dev)),

@@ -171,7 +171,7 @@ class ModelRunner:
         return StepInputs(self.block_size, mc.num_heads // mc.num_kv_heads, self.shard.num_kv_heads,
                           max(cfg.max_num_batched_tokens, self.max_model_len), cfg.max_num_seqs,
                           -(-self.max_model_len // self.block_size), self.device, self.ledger,
-                          batch_invariant=cfg.batch_invariant)
+                          batch_invariant=cfg.batch_invariant, mask_words=(mc.vocab_size + 31) // 32)
 
     # -- what the rows hold (None while released) -----------------------------------------
 
@@ -673,7 +673,8 @@ class ModelRunner:
             full[grammar_rows] = bitmask.numpy()
             bitmask = torch.from_numpy(full)
         want = any(s.params.logprobs is not None for s in seqs)
-        tokens, records = self.ops.race_sample(logits, noise, scale, want, bitmask.to(logits.device))
+        bitmask = bitmask.to(logits.device) if self.inputs is None else self.inputs.send_mask(bitmask)
+        tokens, records = self.ops.race_sample(logits, noise, scale, want, bitmask)
         if records is not None:  # plain greedy rows: as in a race without masks
             self._argmax_logprobs(records, logits, greedy_logprob,
                                   [i for i, s in enumerate(seqs) if s.greedy and s.grammar is None])
@@ -758,7 +759,8 @@ class ModelRunner:
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
         steps = draw_steps(seqs, launched)
         race = self.sampler.draw_race(logits, params, generators, steps)  # needs no logits: drawn while masks fill
-        process_logits(logits, seqs, self.eos_token_ids, masks)
+        send_mask = None if self.inputs is None else self.inputs.send_mask
+        process_logits(logits, seqs, self.eos_token_ids, masks, send_mask)
         tokens = self.sampler(logits, params, generators, race, steps)
         if not lp:
             return tokens, None
