@@ -118,3 +118,41 @@ def test_cuda_masked_race_gives_the_processed_paths_tokens(default_model, monkey
                     assert [[(t, r) for t, r, _ in d] for d in recs] == [[(t, r) for t, r, _ in d] for d in want_recs]
                     assert max(abs(v - w) for d, e in zip(recs, want_recs) for (_, _, v), (_, _, w) in zip(d, e)) <= 1e-4
     assert_same(got)
+
+
+def test_cuda_steps_sampled_ahead_never_wait_for_the_device(default_model, monkeypatch):
+    """Launching a step and sampling a deferred one happen while the forward pass before runs: nothing in them
+    may synchronize the stream. A blocking upload (``torch.tensor(rows, device=...)``, a pageable ``.to(dev)``,
+    a list index on a CUDA tensor) made the host wait for that forward pass and the device then idle while
+    the host booked and launched: ~1 ms a JSON step on the 8B shape (docs/BENCHMARKS.md). torch's sync debug
+    mode raises on each such call; every kind of row that is launched or sampled ahead is here."""
+    import torch
+
+    from tidyrun import StructuredOutputsParams
+    from tidyrun.runner.model_runner import ModelRunner
+
+    def no_sync(method):
+        def checked(self, *args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return checked
+
+    for name in ("launch", "sample_launched"):
+        monkeypatch.setattr(ModelRunner, name, no_sync(getattr(ModelRunner, name)))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    deferred = [SamplingParams(temperature=1.0, seed=1, max_tokens=30, logprobs=0,
+                               structured_outputs=StructuredOutputsParams(json=schema)),  # masked race
+                SamplingParams(temperature=1.0, seed=2, max_tokens=30, repetition_penalty=1.2,
+                               presence_penalty=0.3, frequency_penalty=0.2, logprobs=0),  # penalties
+                SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3, max_tokens=25, min_tokens=10,
+                               logit_bias={5: 2.0}, bad_words=["the"]),
+                SamplingParams(temperature=1.0, seed=4, max_tokens=12, allowed_token_ids=list(range(100, 400)),
+                               structured_outputs=StructuredOutputsParams(choice=["red", "green"]))]
+    plain = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, seed=5, max_tokens=n) for n in (7, 40)]
+    plain += [SamplingParams(temperature=1.0, seed=6, max_tokens=30, logprobs=0, n=2)]  # the RL rollout
+    for params in (deferred, plain):
+        got = outputs(default_model, params, modes=(True,))
+        assert all(reason in ("stop", "length") for o in got[True] for _, reason, _ in o), got

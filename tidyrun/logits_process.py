@@ -17,6 +17,7 @@ from collections.abc import Callable, Collection, Sequence as Seq
 
 import torch
 
+from .device_copy import to_device
 from .sequence import Sequence
 from .structured import PendingMasks, apply_bitmask
 
@@ -60,21 +61,21 @@ def stop_token_bans(seq: Sequence, eos_token_ids: Collection[int]) -> set[int]:
 def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: Seq[Sequence]) -> None:
     """Repetition, frequency and presence penalties of ``seqs`` on logits ``rows``, in place."""
     vocab, dev = logits.shape[-1], logits.device
-    index = torch.tensor(rows, device=dev)
+    index = to_device(rows, dev)
     sub = logits[index]
     outputs = _padded([s.output_token_ids for s in seqs], vocab, dev)
     counts = torch.zeros(len(seqs), vocab + 1, device=dev, dtype=logits.dtype)
     counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=logits.dtype))
     counts = counts[:, :vocab]
-    rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev, dtype=logits.dtype)[:, None]
+    rep = to_device([s.params.repetition_penalty for s in seqs], dev, logits.dtype)[:, None]
     if any(s.params.repetition_penalty != 1.0 for s in seqs):
         prompts = _padded([s.prompt_token_ids for s in seqs], vocab, dev)
         seen = torch.zeros(len(seqs), vocab + 1, device=dev, dtype=torch.bool)
         seen.scatter_(1, prompts, True)
         seen = seen[:, :vocab] | (counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev, dtype=logits.dtype)[:, None]
-    pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev, dtype=logits.dtype)[:, None]
+    freq = to_device([s.params.frequency_penalty for s in seqs], dev, logits.dtype)[:, None]
+    pres = to_device([s.params.presence_penalty for s in seqs], dev, logits.dtype)[:, None]
     sub = sub - freq * counts - pres * (counts > 0).to(logits.dtype)
     logits[index] = sub
 
@@ -142,16 +143,16 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
         keep = torch.zeros(len(allowed_rows), vocab, dtype=torch.bool)
         for i, ids in enumerate(allowed_ids):
             keep[i, ids] = True
-        index = torch.tensor(allowed_rows, device=dev)
+        index = to_device(allowed_rows, dev)
         logits[index] = logits[index].masked_fill(~keep.to(dev, non_blocking=True), _NEG_INF)
     if ban_rows:
-        logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_tokens, device=dev)] = _NEG_INF
+        logits[to_device(ban_rows, dev), to_device(ban_tokens, dev)] = _NEG_INF
     if bitmask is not None:
         if send_mask is not None:
             bitmask = send_mask(bitmask)
         apply_bitmask(logits, bitmask, None if len(grammar_rows) == len(seqs) else grammar_rows)  # None: no gather
     if bias_rows:
-        logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_tokens, device=dev)),
-                          torch.tensor(bias_values, device=dev, dtype=logits.dtype), accumulate=True)
+        logits.index_put_((to_device(bias_rows, dev), to_device(bias_tokens, dev)),
+                          to_device(bias_values, dev, logits.dtype), accumulate=True)
     if penalty_rows:
         apply_penalties(logits, penalty_rows, [seqs[r] for r in penalty_rows])

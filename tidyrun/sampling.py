@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from .device_copy import to_device
 from .sampling_params import SamplingParams
 
 
@@ -57,16 +58,16 @@ class Sampler:
         vocab, dev = logits.shape[-1], logits.device
         race = race or self.draw_race(logits, params, generators, steps)
         if race.rows:
-            sub = logits if len(race.rows) == len(params) else logits[torch.tensor(race.rows, device=dev)]
-            picks, _ = self.race(sub, race.noise, race.scale, False)
             if len(race.rows) == len(params):
-                return picks
-            tokens[race.rows] = picks
+                return self.race(logits, race.noise, race.scale, False)[0]
+            index = to_device(race.rows, dev)
+            tokens[index] = self.race(logits[index], race.noise, race.scale, False)[0]
         filtered = [i for i, p in enumerate(params) if not p.greedy and not unfiltered(p, vocab)]
         if filtered:
-            probs, order = self._sorted_filtered(logits[filtered].float(), [params[i] for i in filtered])
+            index = to_device(filtered, dev)
+            probs, order = self._sorted_filtered(logits[index].float(), [params[i] for i in filtered])
             picks = torch.stack([draw(probs[j], generators[i]) for j, i in enumerate(filtered)])
-            tokens[filtered] = order[torch.arange(len(filtered), device=dev), picks]
+            tokens[index] = order[torch.arange(len(filtered), device=dev), picks]
         return tokens
 
     def draw_race(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -123,16 +124,16 @@ class Sampler:
     @staticmethod
     def _sorted_filtered(sub: torch.Tensor, params: Sequence[SamplingParams], keep_logits: bool = False):
         dev = sub.device
-        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=sub.dtype)
+        temps = to_device([p.temperature for p in params], dev, sub.dtype)
         sorted_logits, order = (sub / temps[:, None]).sort(dim=-1, descending=True)
         # min-p first, on the whole tempered distribution, then top-k, then top-p on what is left: vLLM's order.
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=sub.dtype)
+        min_p = to_device([p.min_p for p in params], dev, sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
         sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
         rank = torch.arange(sorted_logits.shape[-1], device=dev)[None, :]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else sub.shape[-1] for p in params], device=dev)
+        top_k = to_device([p.top_k if p.top_k > 0 else sub.shape[-1] for p in params], dev)
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=sub.dtype)
+        top_p = to_device([p.top_p for p in params], dev, sub.dtype)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays). Rows with
         # top_p = 1 keep everything: their cumulative sum can round to 1 before the tail.

@@ -38,6 +38,7 @@ import torch
 from ..attention import ForwardContext
 from ..audit import trace_survivors
 from ..config import EngineConfig, ModelConfig
+from ..device_copy import to_device
 from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError,
                       ResourceLeakError, WeightsNotLoadedError)
 from ..loader import ModelSource
@@ -517,7 +518,7 @@ class ModelRunner:
             masks = grammars[0].compiler.fill_later(grammars) if grammars else None
             try:
                 every = len(live) == len(seqs)
-                index = None if every else torch.tensor(live, device=step.logits.logits.device)
+                index = None if every else to_device(live, step.logits.logits.device)
                 logits, greedy, greedy_logprob = (t if t is None or every else t[index] for t in step.logits)
                 one_pass = self._one_pass_logprobs(rows)
                 if one_pass is not None:  # its processed sequences have finished: the records execute takes
@@ -540,7 +541,7 @@ class ModelRunner:
             if records is not None and len(at) < len(seqs):  # the other rows' records: just their tokens
                 full = torch.zeros(len(seqs), 3, dtype=records.dtype, device=records.device)
                 full[:, 0] = tokens
-                records = full.index_copy_(0, torch.tensor(at, device=records.device), records)
+                records = full.index_copy_(0, to_device(at, records.device), records)
         if tokens is None:
             tokens = torch.zeros(len(seqs), dtype=torch.int64, device=self.device)
         host_copy = None if self.inputs is None else self.inputs.send_tokens(tokens, records)
@@ -630,7 +631,7 @@ class ModelRunner:
         if rows:
             if greedy_logprob is None:
                 greedy_logprob = self.ops.argmax_logprob(logits)[1]
-            index = torch.tensor(rows, device=records.device)
+            index = to_device(rows, records.device)
             records[index, 1] = greedy_logprob[index].double()
 
     def _masked_one_pass(self, seqs: list[Sequence]) -> bool:
@@ -750,7 +751,7 @@ class ModelRunner:
         as in ``_one_pass_records``."""
         mode = self.config.logprobs_mode
         every = len(lp) == len(seqs)
-        index = None if every else torch.tensor(lp, device=logits.device)
+        index = None if every else to_device(lp, logits.device)
         raw = None
         if lp and mode.startswith("raw"):  # taken before processing changes the logits in place
             untouched = not any(s.params.processes_logits or s.below_min_tokens() for s in seqs)
@@ -775,11 +776,11 @@ class ModelRunner:
         """The distribution each row was sampled from, as log-probabilities ("processed_logprobs") or logits
         ("processed_logits", -inf where filtered): after processing, temperature, top-k, top-p, min-p.
         Greedy rows use the processed logits themselves (no temperature)."""
-        sub = logits[torch.tensor(rows, device=logits.device)]
+        sub = logits[to_device(rows, logits.device)]
         scores = sub.log_softmax(-1) if mode == "processed_logprobs" else sub.clone()
         sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
-            index = torch.tensor(sampled, device=logits.device)
+            index = to_device(sampled, logits.device)
             filtered = self.sampler.filtered_logits(sub[index], [seqs[j].params for j in sampled])
             scores[index] = filtered.log_softmax(-1) if mode == "processed_logprobs" else filtered
         return scores
@@ -793,7 +794,7 @@ class ModelRunner:
         for r in prompt_rows:
             targets += r.seq.token_ids[r.first:r.first + r.count]
             ks += [r.seq.params.prompt_logprobs] * r.count
-        records = logprob_records(logits, torch.tensor(targets, device=logits.device), ks, logits.logsumexp(-1))
+        records = logprob_records(logits, to_device(targets, logits.device), ks, logits.logsumexp(-1))
         out, at = [], 0
         for r in prompt_rows:
             out.append(PromptLogprobRecords(r.seq, r.first, records[at:at + r.count]))

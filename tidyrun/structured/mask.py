@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device_copy import to_device
 from ..sampling import allowed_tokens
 
 
@@ -69,7 +70,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
     """Set the logits of disallowed tokens to -inf, in place, on the logits' device.
 
     ``logits`` [N, vocab] float; ``bitmask`` int32 [R, ceil(vocab/32)] on the
-    host. Bitmask row i applies to logits row ``rows[i]`` (all N rows, R == N,
+    host or already on the logits' device (``StepInputs.send_mask``). Bitmask row i applies to logits row ``rows[i]`` (all N rows, R == N,
     when ``rows`` is None). One copy of the mask to the device, then
     ``sampling.allowed_tokens``' vectorized unpacking (one byte per token).
     """
@@ -94,5 +95,5 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
     if rows is None:
         logits.masked_fill_(refused, float("-inf"))
         return
-    index = torch.tensor(rows, dtype=torch.long).to(dev)
+    index = to_device(rows, dev, torch.long)
     logits[index] = logits[index].masked_fill(refused, float("-inf"))
