@@ -123,36 +123,45 @@ def test_cuda_masked_race_gives_the_processed_paths_tokens(default_model, monkey
 def test_cuda_steps_sampled_ahead_never_wait_for_the_device(default_model, monkeypatch):
     """Launching a step and sampling a deferred one happen while the forward pass before runs: nothing in them
     may synchronize the stream. A blocking upload (``torch.tensor(rows, device=...)``, a pageable ``.to(dev)``,
-    a list index on a CUDA tensor) made the host wait for that forward pass and the device then idle while
-    the host booked and launched: ~1 ms a JSON step on the 8B shape (docs/BENCHMARKS.md). torch's sync debug
-    mode raises on each such call; every kind of row that is launched or sampled ahead is here."""
+    a list index or a Python scalar assigned into a CUDA tensor) made the host wait for that forward pass and
+    the device then idle while the host booked and launched: ~1 ms a JSON step on the 8B shape
+    (docs/BENCHMARKS.md). torch's sync debug mode raises on each such call. Four groups, one per way a step is
+    run ahead: plain rows sampled at launch (greedy, the race, the filtered sampler), the RL rollout's one-pass
+    records, grammar rows through the masked race, and processed rows (penalties, bans, bias, allowed ids)."""
     import torch
 
-    from tidyrun import StructuredOutputsParams
+    from test_async_scheduling import MASKED, count_calls, masked_params
     from tidyrun.runner.model_runner import ModelRunner
 
     def no_sync(method):
         def checked(self, *args, **kwargs):
+            before = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
             try:
                 return method(self, *args, **kwargs)
             finally:
-                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.set_sync_debug_mode(before)
         return checked
 
+    calls = count_calls(monkeypatch, ModelRunner, "_plain_tokens", "_one_pass_records", "_masked_race", "_draw_rows")
     for name in ("launch", "sample_launched"):
         monkeypatch.setattr(ModelRunner, name, no_sync(getattr(ModelRunner, name)))
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
-    deferred = [SamplingParams(temperature=1.0, seed=1, max_tokens=30, logprobs=0,
-                               structured_outputs=StructuredOutputsParams(json=schema)),  # masked race
-                SamplingParams(temperature=1.0, seed=2, max_tokens=30, repetition_penalty=1.2,
-                               presence_penalty=0.3, frequency_penalty=0.2, logprobs=0),  # penalties
-                SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3, max_tokens=25, min_tokens=10,
-                               logit_bias={5: 2.0}, bad_words=["the"]),
-                SamplingParams(temperature=1.0, seed=4, max_tokens=12, allowed_token_ids=list(range(100, 400)),
-                               structured_outputs=StructuredOutputsParams(choice=["red", "green"]))]
-    plain = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, seed=5, max_tokens=n) for n in (7, 40)]
-    plain += [SamplingParams(temperature=1.0, seed=6, max_tokens=30, logprobs=0, n=2)]  # the RL rollout
-    for params in (deferred, plain):
+    plain = [SamplingParams(temperature=0, max_tokens=n) for n in (9, 30)]
+    plain += [SamplingParams(temperature=1.0, seed=s, max_tokens=n) for s, n in ((1, 25), (2, 7))]
+    plain += [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, seed=s, max_tokens=n)
+              for s, n in ((3, 20), (4, 33), (5, 12), (6, 28))]
+    rollout = [SamplingParams(temperature=t, seed=s, max_tokens=n, logprobs=0, n=2)
+               for t, s, n in ((1.0, 1, 30), (0, None, 20), (1.0, 2, 12), (1.0, 3, 25))] * 2
+    masked = masked_params(MASKED) + [SamplingParams(temperature=0, max_tokens=20)]
+    processed = [SamplingParams(temperature=1.0, seed=1, max_tokens=30, repetition_penalty=1.2,
+                                presence_penalty=0.3, frequency_penalty=0.2, logprobs=0),
+                 SamplingParams(temperature=0.7, top_p=0.8, seed=2, max_tokens=25, min_tokens=10,
+                                logit_bias={5: 2.0}, bad_words=["the"]),
+                 SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=list(range(100, 2000))),
+                 SamplingParams(temperature=0, max_tokens=20, presence_penalty=0.5)] * 2
+    for name, params, ran in (("plain", plain, "_plain_tokens"), ("rollout", rollout, "_one_pass_records"),
+                              ("masked", masked, "_masked_race"), ("processed", processed, "_draw_rows")):
+        calls.update(dict.fromkeys(calls, 0))
         got = outputs(default_model, params, modes=(True,))
-        assert all(reason in ("stop", "length") for o in got[True] for _, reason, _ in o), got
+        assert all(reason in ("stop", "length") for o in got[True] for _, reason, _ in o), (name, got)
+        assert calls[ran] >= 5, (name, calls)  # the group's own path ran ahead, step after step

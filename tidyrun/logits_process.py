@@ -146,7 +146,9 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Col
         index = to_device(allowed_rows, dev)
         logits[index] = logits[index].masked_fill(~keep.to(dev, non_blocking=True), _NEG_INF)
     if ban_rows:
-        logits[to_device(ban_rows, dev), to_device(ban_tokens, dev)] = _NEG_INF
+        # index_put_ with a value already on the device: ``logits[r, t] = -inf`` wraps the float in a CPU tensor
+        # that torch (<= 2.13) copies over with a stream synchronize (device_copy.py says why that matters).
+        logits.index_put_((to_device(ban_rows, dev), to_device(ban_tokens, dev)), logits.new_full((), _NEG_INF))
     if bitmask is not None:
         if send_mask is not None:
             bitmask = send_mask(bitmask)

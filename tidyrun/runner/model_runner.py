@@ -751,7 +751,7 @@ class ModelRunner:
         as in ``_one_pass_records``."""
         mode = self.config.logprobs_mode
         every = len(lp) == len(seqs)
-        index = None if every else to_device(lp, logits.device)
+        index = None if every or not lp else to_device(lp, logits.device)
         raw = None
         if lp and mode.startswith("raw"):  # taken before processing changes the logits in place
             untouched = not any(s.params.processes_logits or s.below_min_tokens() for s in seqs)
