@@ -83,12 +83,30 @@ def tidyrun_throughput(ckpt: str, args: argparse.Namespace, mode: str, work: Wor
         sync(args.device)
         wall = time.perf_counter() - t0
         preemptions = llm.stats()["preemptions"]
+        mc, elem = llm.runner.model_config, torch.empty((), dtype=llm.dtype).element_size()
+        floor = floor_seconds(work, llm.runner.arena.nbytes, mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem,
+                              args.peak_bw, 2 * llm.runner.arena.nbytes / elem, args.peak_flops)
     finally:
         llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return dict(engine=f"tidyrun ({mode})", requests=len(work[0]), output_tokens=tokens,
                 expected_tokens=sum(work[1]), computed_tokens=tokens, wall_s=wall, tok_s=tokens / wall,
-                preemptions=preemptions)
+                preemptions=preemptions, floor_s=floor)
+
+
+def floor_seconds(work: Workload, weight_bytes: int, kv_bytes_per_token: int, peak_bw: float,
+                  flops_per_token: float, peak_flops: float) -> float:
+    """A physical floor for workload (a): every prompt token's weight FLOPs at ``peak_flops`` (attention's
+    left out), then every decode step reading the weights once and the KV of each running request's whole
+    context (prompt + tokens so far) at ``peak_bw``. Unlike ``ideal_seconds`` it charges the contexts (a)
+    really has (up to 2048 keys, where the decode step measured at ``--decode-prompt-len`` reads 512), so
+    it shows how far the engine is from the hardware, not from its own step times."""
+    prompts, outs = work
+    total = sum(len(p) for p in prompts) * flops_per_token / peak_flops  # the prefill also samples token 1
+    for step in range(1, max(outs, default=0)):  # decode step `step` feeds token `step`: prompt + step keys
+        keys = sum(len(p) + step for p, n in zip(prompts, outs) if n > step)
+        total += (weight_bytes + keys * kv_bytes_per_token) / peak_bw
+    return total
 
 
 def hf_throughput(ckpt: str, args: argparse.Namespace, work: Workload, warm: Workload) -> dict:
@@ -270,6 +288,8 @@ def main() -> None:
     ap.add_argument("--decode-prompt-len", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=50)
     ap.add_argument("--peak-bw", type=float, default=4.3e12, help="memory bandwidth of the floor, bytes/s")
+    ap.add_argument("--peak-flops", type=float, default=790e12,
+                    help="matmul rate of (a)'s prefill floor, FLOP/s (the H200's measured bf16 rate)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
@@ -297,13 +317,17 @@ def main() -> None:
     if throughput:
         print(f"\n(a) {args.num_requests} requests, prompt {args.prompt_len_range[0]}-{args.prompt_len_range[1]}, "
               f"output {args.output_len_range[0]}-{args.output_len_range[1]} tokens")
-        print("| engine | requests | output tokens | computed tokens | wall s | tok/s | vs transformers |")
-        print("|---|---|---|---|---|---|---|")
+        print("| engine | requests | output tokens | computed tokens | wall s | tok/s | vs transformers | floor s "
+              "| floor / measured |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in throughput:
             r["vs_transformers"] = r["tok_s"] / hf["tok_s"] if hf else None
             ratio = f"{r['vs_transformers']:.1f}x" if hf else "-"
+            floor = f"{r['floor_s']:.2f} | {r['floor_s'] / r['wall_s']:.0%}" if "floor_s" in r else "- | -"
             print(f"| {r['engine']} | {r['requests']} | {r['output_tokens']} | {r['computed_tokens']} "
-                  f"| {r['wall_s']:.2f} | {r['tok_s']:.0f} | {ratio} |")
+                  f"| {r['wall_s']:.2f} | {r['tok_s']:.0f} | {ratio} | {floor} |")
+        print(f"floor: prompt tokens' weight FLOPs at {args.peak_flops / 1e12:.0f} TFLOP/s, then each decode step's "
+              f"weights and whole-context KV at {args.peak_bw / 1e12:.2f} TB/s (floor_seconds)")
         ideal = ideal_seconds(work, [r for r in decode if r["mode"] == args.modes[0]])
         if ideal is not None:
             best = next(r["wall_s"] for r in throughput if r["engine"] == f"tidyrun ({args.modes[0]})")

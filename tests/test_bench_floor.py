@@ -1,0 +1,21 @@
+"""bench/throughput.py's physical floor for workload (a), checked by hand on a two-request workload."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+from throughput import floor_seconds  # noqa: E402
+
+
+def test_floor_charges_each_decode_step_its_running_contexts():
+    # Prompts of 10 and 20 tokens; outputs of 3 and 1 tokens: the prefill (30 tokens at 1 FLOP each, 1 FLOP/s)
+    # samples both first tokens; decode steps 1 and 2 run the first request alone with 11 and 12 keys.
+    work = ([[5] * 10, [5] * 20], [3, 1])
+    got = floor_seconds(work, weight_bytes=100, kv_bytes_per_token=2, peak_bw=1.0, flops_per_token=1.0,
+                        peak_flops=1.0)
+    assert got == 30 + (100 + 11 * 2) + (100 + 12 * 2)
+
+
+def test_floor_of_one_token_outputs_is_the_prefill_alone():
+    assert floor_seconds(([[1] * 7], [1]), 100, 2, 1.0, 2.0, 1.0) == 14
