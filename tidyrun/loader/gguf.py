@@ -183,13 +183,18 @@ class GGUFSource:
             yield hf_name, w
 
     def load_tokenizer(self) -> Tokenizer:
-        from transformers import PreTrainedTokenizerFast
+        return Tokenizer(gguf_hf_tokenizer(self.path), eos_token_ids=self.config.eos_token_ids)
 
-        folder, name = os.path.split(os.path.abspath(self.path))
-        try:
-            # The fast tokenizer class directly: AutoTokenizer first builds the model's whole config from the
-            # file with gguf's reader (12 s of the 13 s for the default model), only to pick this same class.
-            hf_tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot build the tokenizer from GGUF file {self.path!r}: {exc}") from exc
-        return Tokenizer(hf_tok, eos_token_ids=self.config.eos_token_ids)
+
+def gguf_hf_tokenizer(path: str, *args, **kwargs):
+    """The transformers tokenizer built from GGUF file ``path``'s metadata (``args`` / ``kwargs`` go to
+    ``from_pretrained``); ModelLoadError if it cannot be built. The fast tokenizer class directly:
+    AutoTokenizer first builds the model's whole config from the file with gguf's reader (12 s of the 13 s
+    for the default model), only to pick this same class."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(folder, *args, gguf_file=name, **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot build the tokenizer from GGUF file {path!r}: {exc}") from exc

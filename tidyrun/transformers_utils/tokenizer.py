@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from ..errors import InvalidRequestError, ModelLoadError
+from ..loader.gguf import gguf_hf_tokenizer
 from ..loader.hub import resolve_path
 
 
@@ -31,7 +32,7 @@ def get_tokenizer(tokenizer_name, *args, tokenizer_mode: str = "auto", trust_rem
     """The transformers tokenizer of ``tokenizer_name``; ``args`` / ``kwargs`` go to ``from_pretrained``
     (``add_bos_token=``, ...). ``tokenizer_mode`` "auto" (fast) or "slow" (``use_fast=False``, which
     transformers 5 may answer with a fast tokenizer all the same)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     if tokenizer_mode not in ("auto", "hf", "slow"):
         raise InvalidRequestError(f"get_tokenizer: tokenizer_mode={tokenizer_mode!r} is not supported; use 'auto' "
@@ -41,10 +42,9 @@ def get_tokenizer(tokenizer_name, *args, tokenizer_mode: str = "auto", trust_rem
                                   f"{type(tokenizer_name).__name__}")
     path = resolve_path(os.fspath(tokenizer_name), revision, download_dir, what="tokenizer")
     gguf = _gguf_of(path)
+    if gguf is not None:
+        return gguf_hf_tokenizer(gguf, *args, **kwargs)
     try:
-        if gguf is not None:
-            folder, name = os.path.split(os.path.abspath(gguf))
-            return PreTrainedTokenizerFast.from_pretrained(folder, *args, gguf_file=name, **kwargs)
         return AutoTokenizer.from_pretrained(path, *args, use_fast=tokenizer_mode != "slow",
                                              trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
