@@ -32,6 +32,13 @@ def test_get_tokenizer_gives_the_models_tokenizer(llm, default_model, hf_tokeniz
         get_tokenizer(os.path.dirname(hf_tokenizer_dir))  # a folder with no tokenizer in it
 
 
+def test_get_tokenizer_refuses_a_corrupt_gguf_file(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 60)
+    with pytest.raises(ModelLoadError, match="cannot build the tokenizer from GGUF file"):
+        get_tokenizer(str(bad))
+
+
 def test_get_open_port_is_free():
     port = get_open_port()
     assert 0 < port < 65536
