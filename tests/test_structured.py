@@ -467,6 +467,7 @@ def test_invalid_constraints_raise_invalid_request(compiler, spec, detail):
     with pytest.raises(InvalidRequestError, match=f"structured outputs: invalid {kind}") as info:
         compiler.compile(spec)
     assert detail in str(info.value)
+    assert str(info.value).count("structured outputs:") == 1, str(info.value)  # said once, not wrapped twice
 
 
 def test_compile_cache_is_per_spec_and_bounded(compiler):

@@ -179,5 +179,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         # "grammar" (validate() admits no other kind): Lark, or GBNF / EBNF ("root ::= ..."), as vLLM's
         # guidance backend reads it
         return llguidance.grammar_from("grammar", spec.grammar)
+    except InvalidRequestError:  # schema_of's own refusal (a ValueError too), already worded
+        raise
     except ValueError as exc:
         raise invalid(kind, str(exc)) from None
