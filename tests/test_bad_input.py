@@ -405,6 +405,11 @@ def test_bad_dtype(default_model):
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in"),
     (dict(device="tpu"), "invalid device 'tpu'"),
     (dict(device="mps"), "device type 'mps' is not supported"),
+    # Wrong types name the keyword (they failed with a bare TypeError comparing a str with a number)
+    (dict(gpu_memory_utilization="0.5"), r"gpu_memory_utilization must be a number, got '0.5' \(str\)"),
+    (dict(max_model_len="1k"), r"max_model_len must be an int, got '1k' \(str\)"),
+    (dict(seed="a"), r"seed must be an int, got 'a' \(str\)"),
+    (dict(max_num_seqs=2.5), r"max_num_seqs must be an int, got 2.5"),
 ], ids=lambda v: repr(v) if isinstance(v, dict) else None)
 def test_bad_engine_arguments(pristine_checkpoint, kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):

@@ -8,10 +8,25 @@ object can build many engines and always means the same thing.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
+
+
+def _check_types(owner: str, ints: dict, reals: dict | None = None) -> None:
+    """InvalidRequestError naming the first keyword whose value is not an int (None allowed) or, in
+    ``reals``, not a real number: the range checks after this would otherwise fail with a bare
+    TypeError comparing, say, the string "0.5" with 0."""
+    from .errors import InvalidRequestError
+
+    for name, value in ints.items():
+        if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+            raise InvalidRequestError(f"{name} must be an int, got {value!r} ({type(value).__name__}) in {owner}")
+    for name, value in (reals or {}).items():
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise InvalidRequestError(f"{name} must be a number, got {value!r} ({type(value).__name__}) in {owner}")
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "olmoe")
 
@@ -129,6 +144,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         from .errors import InvalidRequestError
 
+        _check_types("the KV cache's settings", dict(block_size=self.block_size, num_blocks=self.num_blocks,
+                                                     memory_bytes=self.memory_bytes),
+                     dict(gpu_memory_utilization=self.gpu_memory_utilization))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -290,6 +308,8 @@ class EngineConfig:
                 raise InvalidRequestError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {sizes!r}")
             object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
 
+        _check_types("the engine's settings", dict(max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                                                   max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed))
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
