@@ -204,6 +204,10 @@ def test_reset_prefix_cache(loop, folders):
     assert c.post("/reset_prefix_cache", headers=AS_ADMIN).json() == {"reset": True}
     c.post("/v1/completions", json=body, headers={"authorization": f"Bearer {USER}"})
     assert asyncio.run(hits()) == cached  # after the reset, nothing to reuse
+    reset = c.post("/reset_prefix_cache", params={"reset_running_requests": "true", "reset_external": "true"},
+                   headers=AS_ADMIN)  # vLLM's query parameters
+    assert reset.json() == {"reset": True}
+    assert_error(c.post("/reset_prefix_cache", params={"reset_running_requests": "maybe"}, headers=AS_ADMIN), 400)
 
 
 def test_profiling_routes(loop, folders, tmp_path):

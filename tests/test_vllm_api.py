@@ -437,6 +437,26 @@ def test_reset_prefix_cache(neutral):
     neutral.step()
 
 
+def test_reset_prefix_cache_of_running_requests(neutral):
+    """vLLM's reset_prefix_cache(reset_running_requests=True): requests in flight are preempted (they
+    recompute their tokens so far) and the cache is reset; their outputs are what they would have been."""
+    prompts = [list(range(200, 250)), list(range(300, 340))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in neutral.generate(prompts, params, use_tqdm=False)]
+    ids = [neutral.add_request(p, params) for p in prompts]
+    for _ in range(3):
+        neutral.step()
+    preempted, cached = neutral.stats()["preemptions"], neutral.stats()["prefix_cached_tokens"]
+    assert neutral.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    assert neutral.stats()["preemptions"] == preempted + 2
+    outputs = {}
+    while neutral.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in neutral.step() if o.finished})
+    assert [outputs[i].outputs[0].token_ids for i in ids] == alone
+    assert neutral.stats()["prefix_cached_tokens"] == cached  # the recompute found nothing left to reuse
+    assert neutral.llm_engine.reset_prefix_cache(reset_running_requests=True) is True  # idle: a plain reset
+
+
 def test_weight_pushes_through_llm_engine_and_load_weights(neutral, reference):
     weights = dict(neutral.source.iter_weights())
     noise = {n: t + torch.randn_like(t) for n, t in weights.items() if n.endswith("mlp.down_proj.weight")}

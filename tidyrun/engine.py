@@ -511,16 +511,20 @@ class LLM:
             return self.runner.collective_rpc(method, args, kwargs)
         return [call_on_rank(self.runner, method, args, kwargs)]
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False (and nothing forgotten) while requests are in flight, as in vLLM.
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix; False (and nothing forgotten) while requests are in flight, as in vLLM,
+        unless ``reset_running_requests``: then those requests are preempted first (their blocks freed; each
+        recomputes its prompt and tokens so far when next scheduled, with the weights of that moment) and
+        True. ``reset_connector``: vLLM's KV connector; tidyrun has none, so there is nothing more to reset.
 
         Weight updates through tidyrun reset it by themselves; call this
         after changing weights behind its back (a ``collective_rpc`` function).
         """
         self._check_alive()
-        if self._requests:
+        if self._requests and not reset_running_requests:
             return False
-        self._pipeline.drain()
+        self._collect_finished(self._pipeline.drain())  # the step in flight booked before its blocks go
+        self.scheduler.preempt_running()
         self.scheduler.pool.reset_prefix_cache()
         return True
 

@@ -63,9 +63,9 @@ class WeightSyncPath:
         llm.load_weights(recorded())
         return names
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """``LLM.reset_prefix_cache()``."""
-        return self._engine().reset_prefix_cache()
+        return self._engine().reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_tokenizer(self):
         """``LLM.get_tokenizer()``."""

@@ -88,6 +88,13 @@ class Scheduler:
                 self.pool.register(seq.block_table[i], keys[i])
             seq.num_registered_blocks = full
 
+    def preempt_running(self) -> None:
+        """Preempt every running sequence, keeping their order at the head of the queue (nothing may be in
+        flight: each recomputes from its tokens on the host)."""
+        for seq in reversed(self.running):
+            self._preempt(seq)
+        self.running = []
+
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.draft_tokens = []

@@ -476,10 +476,13 @@ def _add_lifecycle_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics
         return {"is_sleeping": await loop.call(lambda e: e.is_sleeping)}
 
     @app.post("/reset_prefix_cache", dependencies=admin)
-    async def reset_prefix_cache():
-        if not await loop.call(lambda e: e.reset_prefix_cache()):
+    async def reset_prefix_cache(reset_running_requests: bool = Query(False), reset_external: bool = Query(False)):
+        # vLLM's query parameters: running requests preempted (they recompute) instead of a refusal; no
+        # external (connector) cache exists here, so reset_external has nothing more to reset.
+        if not await loop.call(lambda e: e.reset_prefix_cache(reset_running_requests)):
             raise APIError(409, "the prefix cache was not reset: requests are in flight (as in vLLM, it is reset "
-                           "only while the engine is idle); retry when they are done", "conflict")
+                           "only while the engine is idle); retry when they are done, or pass "
+                           "?reset_running_requests=true to preempt them", "conflict")
         metrics.count("/reset_prefix_cache", 200)
         return {"reset": True}
 
