@@ -97,15 +97,20 @@ def tidyrun_throughput(ckpt: str, args: argparse.Namespace, mode: str, work: Wor
 def floor_seconds(work: Workload, weight_bytes: int, kv_bytes_per_token: int, peak_bw: float,
                   flops_per_token: float, peak_flops: float) -> float:
     """A physical floor for workload (a): every prompt token's weight FLOPs at ``peak_flops`` (attention's
-    left out), then every decode step reading the weights once and the KV of each running request's whole
-    context (prompt + tokens so far) at ``peak_bw``. Unlike ``ideal_seconds`` it charges the contexts (a)
-    really has (up to 2048 keys, where the decode step measured at ``--decode-prompt-len`` reads 512), so
-    it shows how far the engine is from the hardware, not from its own step times."""
+    left out), then every decode step costing its products, the longer of reading the weights once at
+    ``peak_bw`` and its rows' weight FLOPs at ``peak_flops`` (at 256 rows of a 1.2B model they are
+    compute-bound), plus its attention, the KV of each running request's whole context (prompt + tokens so
+    far) at ``peak_bw``: kernels run one after another, so the two do not overlap. Unlike ``ideal_seconds``
+    it charges the contexts (a) really has (up to 2048 keys, where the decode step measured at
+    ``--decode-prompt-len`` reads 512), so it shows how far the engine is from the hardware, not from its
+    own step times."""
     prompts, outs = work
     total = sum(len(p) for p in prompts) * flops_per_token / peak_flops  # the prefill also samples token 1
     for step in range(1, max(outs, default=0)):  # decode step `step` feeds token `step`: prompt + step keys
-        keys = sum(len(p) + step for p, n in zip(prompts, outs) if n > step)
-        total += (weight_bytes + keys * kv_bytes_per_token) / peak_bw
+        running = [len(p) for p, n in zip(prompts, outs) if n > step]
+        keys = sum(running) + step * len(running)
+        total += max(weight_bytes / peak_bw, len(running) * flops_per_token / peak_flops)
+        total += keys * kv_bytes_per_token / peak_bw
     return total
 
 
@@ -327,7 +332,8 @@ def main() -> None:
             print(f"| {r['engine']} | {r['requests']} | {r['output_tokens']} | {r['computed_tokens']} "
                   f"| {r['wall_s']:.2f} | {r['tok_s']:.0f} | {ratio} | {floor} |")
         print(f"floor: prompt tokens' weight FLOPs at {args.peak_flops / 1e12:.0f} TFLOP/s, then each decode step's "
-              f"weights and whole-context KV at {args.peak_bw / 1e12:.2f} TB/s (floor_seconds)")
+              f"products (weights at {args.peak_bw / 1e12:.2f} TB/s or rows' FLOPs, the longer) and whole-context "
+              f"KV (floor_seconds)")
         ideal = ideal_seconds(work, [r for r in decode if r["mode"] == args.modes[0]])
         if ideal is not None:
             best = next(r["wall_s"] for r in throughput if r["engine"] == f"tidyrun ({args.modes[0]})")

@@ -19,3 +19,11 @@ def test_floor_charges_each_decode_step_its_running_contexts():
 
 def test_floor_of_one_token_outputs_is_the_prefill_alone():
     assert floor_seconds(([[1] * 7], [1]), 100, 2, 1.0, 2.0, 1.0) == 14
+
+
+def test_floor_takes_the_rows_flops_when_they_outlast_the_reads():
+    # Three requests of 4-token prompts decoding one step: the products read 10 bytes (10 s at 1 B/s) but
+    # compute 3 rows * 100 FLOPs (30 s at 10 FLOP/s): 30 s; then the attention reads 3 * 5 keys * 1 byte:
+    # 15 s. The prefill: 12 tokens * 100 / 10 = 120 s.
+    work = ([[1] * 4] * 3, [2, 2, 2])
+    assert floor_seconds(work, 10, 1, 1.0, 100.0, 10.0) == 120 + 30 + 15
