@@ -24,7 +24,7 @@ ADMIN = {"authorization": "Bearer admin-key"}
 def server(tmp_path_factory):
     """The smol server with its lifecycle routes on, keyed, and weight updates confined to an empty folder."""
     yield from smol_server("--enable-lifecycle-endpoints", "--admin-key", "admin-key",
-                           "--weights-dir", str(tmp_path_factory.mktemp("weights")))
+                           "--weights-dir", str(tmp_path_factory.mktemp("weights")), "--trust-request-chat-template")
 
 
 client = pytest.fixture(scope="module")(openai_client)
@@ -46,6 +46,16 @@ def test_chat_completion(client):
     assert r.choices[0].message.content.startswith("The capital of France is Paris.")
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 10
+
+
+def test_request_chat_template_on_a_trusting_server(client):
+    """--trust-request-chat-template: a chat request renders with its own template (here the bare contents),
+    so its prompt is the question's tokens alone, as a completion of the same text counts them."""
+    bare = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    r = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=1, temperature=0,
+                                       extra_body={"chat_template": bare, "add_generation_prompt": False})
+    same = client.completions.create(model="smol", prompt=QUESTION[0]["content"], max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == same.usage.prompt_tokens
 
 
 def test_chat_streaming_equals_non_streaming(client):

@@ -224,6 +224,9 @@ def test_logit_bias_forces_and_forbids_tokens(client):
     ("chat/completions", {"frequency_penalty": -3}, "frequency_penalty"),
     ("chat/completions", {"logit_bias": {"1": -101}}, "logit_bias"),
     ("chat/completions", {"echo": True}, "echo"),
+    ("chat/completions", {"chat_template": "{{ messages }}"}, "--trust-request-chat-template"),
+    ("chat/completions", {"continue_final_message": True}, "add_generation_prompt=False"),
+    ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs may not set"),
 ])
 def test_unsupported_or_invalid_options_are_400_naming_the_field(server, route, extra, needle):
     body = {"model": "smol", "max_tokens": 2, **extra}
@@ -241,6 +244,21 @@ def test_harmless_openai_fields_are_accepted(client):
     assert len(r.choices) == 2
     bias_free = complete(client, max_tokens=4, best_of=1, presence_penalty=0, frequency_penalty=0, seed=1)
     assert bias_free.choices[0].text == complete(client, max_tokens=4).choices[0].text
+
+
+def test_vllm_chat_template_extras(client):
+    """vLLM's chat extras through the openai client's extra_body: template variables (Qwen3 users send
+    enable_thinking; SmolLM2's template ignores it) and a reply that continues the last assistant message."""
+    plain = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0)
+    thinking_off = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0,
+                                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert thinking_off.choices[0].message.content == plain.choices[0].message.content
+    opened = QUESTION + [{"role": "assistant", "content": "The capital of France is"}]
+    continued = client.chat.completions.create(model="smol", messages=opened, max_tokens=3, temperature=0,
+                                               extra_body={"continue_final_message": True,
+                                                           "add_generation_prompt": False})
+    assert continued.choices[0].message.content.startswith(" Paris")
+    assert continued.usage.prompt_tokens > plain.usage.prompt_tokens  # the open message is in the prompt
 
 
 def test_a_refused_prompt_refuses_the_whole_request(server):

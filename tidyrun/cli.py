@@ -226,7 +226,7 @@ def cmd_serve(args) -> int:
     app = create_app(loop, name, api_key=args.api_key,
                      request_exit=request_exit if args.enable_shutdown_endpoint else None,
                      enable_lifecycle_endpoints=args.enable_lifecycle_endpoints, admin_key=args.admin_key,
-                     weights_dir=args.weights_dir)
+                     weights_dir=args.weights_dir, trust_request_chat_template=args.trust_request_chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.graceful_timeout + _ABORT_FLUSH_S)
     server = _graceful_server(config, args.graceful_timeout, loop.abort_all)
@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on the /v1 routes (and on the lifecycle routes "
                             "when no --admin-key is given)")
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let chat requests bring their own chat_template (a Jinja template the server renders; "
+                            "refused without this switch, as in vLLM)")
     serve.add_argument("--graceful-timeout", type=float, default=10.0,
                        help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     admin = serve.add_argument_group(

@@ -135,13 +135,16 @@ def _read_update(files: list[str], root: str, check_finite: bool) -> dict:
 
 def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = None,
                request_exit: Callable[[], None] | None = None, *, enable_lifecycle_endpoints: bool = False,
-               admin_key: str | None = None, weights_dir: str | None = None) -> FastAPI:
+               admin_key: str | None = None, weights_dir: str | None = None,
+               trust_request_chat_template: bool = False) -> FastAPI:
     """Build the app around a started-on-startup EngineLoop.
 
     ``api_key`` guards the /v1 routes. ``enable_lifecycle_endpoints`` adds
     POST /sleep, /wake_up, /reset_prefix_cache, GET /is_sleeping, and (with
     ``weights_dir``) POST /update_weights, reading only below that folder;
     ``request_exit`` adds POST /shutdown, and needs the switch as well.
+    ``trust_request_chat_template``: a chat request may bring its own ``chat_template`` (refused otherwise,
+    as vLLM refuses it without --trust-request-chat-template).
     Every one of them needs ``admin_key`` (or, without one, ``api_key``);
     without the switch they answer 404 like any unknown path. Raises
     ValueError naming the options for a combination that would leave them
@@ -378,7 +381,14 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        ids = truncate(tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt),
+        if body.chat_template is not None and not trust_request_chat_template:
+            raise APIError(400, "chat_template: this server does not run templates sent with a request; start it "
+                           "with --trust-request-chat-template to allow them", "invalid_request_error",
+                           "chat_template")
+        ids = truncate(tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt,
+                                                     continue_final_message=body.continue_final_message,
+                                                     chat_template=body.chat_template,
+                                                     template_kwargs=body.chat_template_kwargs),
                        body.truncate_prompt_tokens)
         params = body.params(budget(len(ids), body.requested_max_tokens))
         (sub,) = await submit_all([(ids, params)], body.stream)

@@ -265,6 +265,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's chat extras: variables the template reads (Qwen3's enable_thinking), the last (assistant) message
+    # left open for the model to continue, and a template of the request's own (only on a server started
+    # with --trust-request-chat-template, as in vLLM: a template is code the server runs)
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
     # OpenAI fields tidyrun cannot honour: refused unless "off" (see _refuse_unsupported)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
