@@ -261,6 +261,34 @@ def test_vllm_chat_template_extras(client):
     assert continued.usage.prompt_tokens > plain.usage.prompt_tokens  # the open message is in the prompt
 
 
+def test_return_token_ids_and_tokens_as_token_ids(client):
+    """vLLM's return_token_ids (prompt and generated ids beside the text; streamed: the prompt's with the
+    first chunk, each chunk's new ids) and return_tokens_as_token_ids (logprob entries named "token_id:<id>")."""
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    r = complete(client, max_tokens=6, logprobs=1, extra_body=extra)
+    choice = r.choices[0]
+    assert len(choice.prompt_token_ids) == r.usage.prompt_tokens and len(choice.token_ids) == 6
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.token_ids]
+    assert all(k.startswith("token_id:") for top in choice.logprobs.top_logprobs for k in top)
+    assert complete(client, max_tokens=6).choices[0].text == choice.text  # the text is unchanged
+    chunks = list(complete(client, max_tokens=6, stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].prompt_token_ids == choice.prompt_token_ids
+    assert all(getattr(c.choices[0], "prompt_token_ids", None) is None for c in chunks[1:] if c.choices)
+    assert [t for c in chunks if c.choices for t in getattr(c.choices[0], "token_ids", None) or []] == choice.token_ids
+
+    chat = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=1, extra_body=extra)
+    ids = chat.choices[0].token_ids
+    assert len(chat.prompt_token_ids) == chat.usage.prompt_tokens and len(ids) == chat.usage.completion_tokens
+    assert [e.token for e in chat.choices[0].logprobs.content] == [f"token_id:{t}" for t in ids]
+    assert list(chat.choices[0].logprobs.content[0].bytes) == list(f"token_id:{ids[0]}".encode())
+    stream = list(client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=5, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True}))
+    assert stream[0].prompt_token_ids == chat.prompt_token_ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in stream[1:])
+    assert [t for c in stream if c.choices for t in getattr(c.choices[0], "token_ids", None) or []] == ids
+
+
 def test_a_refused_prompt_refuses_the_whole_request(server):
     """The engine accepts the first prompt and refuses the second: the answer is a 400 and the first,
     already queued, is aborted (nothing keeps running for a request that failed)."""

@@ -30,7 +30,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .choices import ChatChoices, CompletionChoices
 from .engine_loop import EngineLoop, Submission
-from .logprobs_format import TokenText
+from .logprobs_format import TokenIdText, TokenText
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, UpdateWeightsRequest
 
@@ -157,7 +157,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     tokenizer = llm.tokenizer
     max_model_len = llm.max_model_len
     vocab = llm.runner.model_config.vocab_size
-    token_text = TokenText(tokenizer)
+    token_text, token_id_text = TokenText(tokenizer), TokenIdText(tokenizer)
     metrics = ServerMetrics(loop)
 
     @asynccontextmanager
@@ -354,8 +354,9 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         created, rid, model = int(time.time()), f"cmpl-{uuid.uuid4().hex}", served_model_name
 
         def choices_of(k: int) -> CompletionChoices:
-            return CompletionChoices(token_text, requests[k][1].stop, body.logprobs, body.prompt_logprobs,
-                                     body.echo, prompt_texts[k], score_only)
+            return CompletionChoices(token_id_text if body.return_tokens_as_token_ids else token_text,
+                                     requests[k][1].stop, body.logprobs, body.prompt_logprobs, body.echo,
+                                     prompt_texts[k], score_only, bool(body.return_token_ids))
 
         if body.stream:
             def envelope(deltas: list) -> dict:
@@ -392,12 +393,18 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
                        body.truncate_prompt_tokens)
         params = body.params(budget(len(ids), body.requested_max_tokens))
         (sub,) = await submit_all([(ids, params)], body.stream)
-        choices = ChatChoices(token_text, params.stop, body.num_top_logprobs, body.prompt_logprobs)
+        choices = ChatChoices(token_id_text if body.return_tokens_as_token_ids else token_text, params.stop,
+                              body.num_top_logprobs, body.prompt_logprobs, bool(body.return_token_ids))
         created, rid, model = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", served_model_name
         if body.stream:
+            first = [True]
+
             def envelope(deltas: list) -> dict:
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": deltas}
+                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                         "choices": deltas}
+                if body.return_token_ids:  # vLLM: the prompt's ids in the first chunk only
+                    chunk["prompt_token_ids"], first[0] = (list(ids) if first[0] else None), False
+                return chunk
 
             opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None} for i in range(params.n)]
@@ -412,6 +419,8 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
                     "choices": [choices.whole(c) for c in out.outputs], "usage": usage(len(ids), completion_tokens)}
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = choices.prompt_logprobs(out)
+        if body.return_token_ids:
+            response["prompt_token_ids"] = list(out.prompt_token_ids)
         return response
 
     @app.post("/v1/embeddings", dependencies=[Depends(check_key)])

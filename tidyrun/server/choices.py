@@ -30,11 +30,12 @@ class _Sent:
 
 class _Choices:
     def __init__(self, texts: TokenText, stop: Sequence[str], top_logprobs: int | None,
-                 prompt_logprobs: int | None) -> None:
+                 prompt_logprobs: int | None, token_ids: bool = False) -> None:
         self.texts = texts
         self.stop = tuple(stop)
         self.k = top_logprobs  # None: no logprobs asked
         self.prompt_k = prompt_logprobs
+        self.token_ids = token_ids  # vLLM's return_token_ids: each choice's (delta's) generated token ids
         self._sent: dict[int, _Sent] = {}
 
     def generated(self, c: CompletionOutput) -> tuple[str, list[int], list | None]:
@@ -69,8 +70,8 @@ class CompletionChoices(_Choices):
     was generated, leaving the prompt alone."""
 
     def __init__(self, texts: TokenText, stop: Sequence[str], logprobs: int | None, prompt_logprobs: int | None,
-                 echo: bool, prompt_text: str, score_only: bool = False) -> None:
-        super().__init__(texts, stop, logprobs, prompt_logprobs)
+                 echo: bool, prompt_text: str, score_only: bool = False, token_ids: bool = False) -> None:
+        super().__init__(texts, stop, logprobs, prompt_logprobs, token_ids)
         self.echo, self.prompt_text, self.score_only = echo, prompt_text, score_only
 
     def generated(self, c: CompletionOutput) -> tuple[str, list[int], list | None]:
@@ -93,6 +94,8 @@ class CompletionChoices(_Choices):
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.prompt_k is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs(out)
+        if self.token_ids:  # vLLM puts the prompt's ids in each completion choice
+            choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(ids)
         return choice
 
     def delta(self, out: RequestOutput, c: CompletionOutput) -> dict | None:
@@ -106,9 +109,13 @@ class CompletionChoices(_Choices):
         logprobs = self._logprobs(out, ids, steps, echo, sent.offset)
         if logprobs is not None and logprobs["tokens"]:  # offsets count token texts, as in the whole choice
             sent.offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        delta = {"index": c.index, "text": piece, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason}
+        if self.token_ids:  # the prompt's ids with a choice's first delta only, as vLLM streams them
+            delta["prompt_token_ids"] = None if sent.started else list(out.prompt_token_ids)
+            delta["token_ids"] = list(ids)
         sent.started = True
-        return {"index": c.index, "text": piece, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        return delta
 
 
 class ChatChoices(_Choices):
@@ -120,9 +127,12 @@ class ChatChoices(_Choices):
         return chat_logprobs(ids, steps, self.k, self.texts)
 
     def whole(self, c: CompletionOutput) -> dict:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if self.token_ids:  # the prompt's ids are the response's (see the chat route)
+            choice["token_ids"] = list(c.token_ids)
+        return choice
 
     def delta(self, out: RequestOutput, c: CompletionOutput) -> dict | None:
         step = self._advance(c)
@@ -130,6 +140,9 @@ class ChatChoices(_Choices):
             return None
         sent, piece, ids, steps = step
         sent.started = True
-        return {"index": c.index, "delta": {"content": piece} if piece else {},
-                "logprobs": self._logprobs(ids, steps), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        delta = {"index": c.index, "delta": {"content": piece} if piece else {},
+                 "logprobs": self._logprobs(ids, steps), "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason}
+        if self.token_ids:
+            delta["token_ids"] = list(ids)
+        return delta

@@ -78,6 +78,17 @@ class TokenText:
         return list(text.encode("utf-8", errors="replace"))
 
 
+class TokenIdText(TokenText):
+    """vLLM's ``return_tokens_as_token_ids``: every token shown as ``"token_id:<id>"`` (its bytes that string's),
+    so a client can tell apart tokens whose texts are equal or not valid UTF-8 alone."""
+
+    def text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        return f"token_id:{token_id}"
+
+    def bytes(self, token_id: int, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
 def _ranked(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
     """The entries of one step, most likely first (by rank, then by logprob)."""
     return sorted(step.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))

@@ -136,6 +136,10 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's token-level extras (RL and agent frameworks read them): the prompt's and each choice's token ids
+    # beside the text, and logprob entries named "token_id:<id>" instead of token text
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     def _check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
