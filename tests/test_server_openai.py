@@ -289,6 +289,50 @@ def test_return_token_ids_and_tokens_as_token_ids(client):
     assert [t for c in stream if c.choices for t in getattr(c.choices[0], "token_ids", None) or []] == ids
 
 
+def test_add_special_tokens_defaults_per_route_as_in_vllm(tmp_path):
+    """vLLM's add_special_tokens: on by default for a completion's text (the tokenizer's BOS), off for a
+    rendered chat (its template writes such tokens); either can be turned. A tiny checkpoint whose tokenizer
+    prepends BOS shows it (the default model's adds nothing)."""
+    from fastapi.testclient import TestClient
+
+    from tidyrun import LLM
+    from tidyrun.server.app import create_app
+    from tidyrun.server.engine_loop import EngineLoop
+    from tidyrun.synthetic import write_random_checkpoint
+
+    folder = write_random_checkpoint(str(tmp_path / "tiny"), "llama-tiny")
+    with open(tmp_path / "tiny" / "tokenizer.json") as f:
+        spec = json.load(f)
+    bos = next(t["id"] for t in spec["added_tokens"] if t["content"] == "<s>")
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                                       {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+                              "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}}}
+    with open(tmp_path / "tiny" / "tokenizer.json", "w") as f:
+        json.dump(spec, f)
+    loop = EngineLoop(LLM(folder, device="cpu", max_model_len=64))
+    loop.start()
+    try:
+        http = TestClient(create_app(loop, "tiny", trust_request_chat_template=True))
+        text = "the quick brown fox"
+
+        def prompt_tokens(route: str, **kw) -> int:
+            body = {"model": "tiny", "max_tokens": 1, **kw}
+            body.update({"prompt": text} if route == "completions" else {
+                "messages": [{"role": "user", "content": text}], "add_generation_prompt": False,
+                "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+            r = http.post(f"/v1/{route}", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        bare = prompt_tokens("completions", add_special_tokens=False)
+        assert prompt_tokens("completions") == prompt_tokens("completions", add_special_tokens=True) == bare + 1
+        assert prompt_tokens("chat/completions") == bare
+        assert prompt_tokens("chat/completions", add_special_tokens=True) == bare + 1
+    finally:
+        assert loop.stop().clean
+
+
 def test_a_refused_prompt_refuses_the_whole_request(server):
     """The engine accepts the first prompt and refuses the second: the answer is a 400 and the first,
     already queued, is aborted (nothing keeps running for a request that failed)."""

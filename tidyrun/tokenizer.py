@@ -61,11 +61,13 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template (``render_chat``'s text)."""
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                            add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (``render_chat``'s text);
+        ``add_special_tokens`` as vLLM's chat request field (off: the template writes the special tokens)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message,
                                             chat_template=chat_template, tools=tools, template_kwargs=template_kwargs),
-                           add_special_tokens=False)
+                           add_special_tokens=add_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
                     continue_final_message: bool = False, chat_template: str | None = None,

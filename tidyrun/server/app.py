@@ -238,13 +238,13 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
                            f"{prompt_len} tokens and max_tokens asks for {requested} more", param="max_tokens")
         return requested
 
-    def encode(prompt) -> list[int]:
+    def encode(prompt, add_special_tokens: bool | None = None) -> list[int]:
         if isinstance(prompt, dict):
             ids = prompt["prompt_token_ids"]
             if not all(0 <= t < vocab for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             return ids
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
 
     def truncate(ids: list[int], keep: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens: keep the last ``keep`` tokens (-1: as many as fit with one more)."""
@@ -340,7 +340,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         check_model(body.model)
         prompts, prompt_texts = [], []
         for item in body.prompts():
-            full = encode(item)
+            full = encode(item, body.add_special_tokens)
             ids = truncate(full, body.truncate_prompt_tokens)
             prompts.append(ids)
             # echo shows the prompt as sent; one given as token ids (or truncated) is shown decoded
@@ -389,7 +389,8 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         ids = truncate(tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt,
                                                      continue_final_message=body.continue_final_message,
                                                      chat_template=body.chat_template,
-                                                     template_kwargs=body.chat_template_kwargs),
+                                                     template_kwargs=body.chat_template_kwargs,
+                                                     add_special_tokens=bool(body.add_special_tokens)),
                        body.truncate_prompt_tokens)
         params = body.params(budget(len(ids), body.requested_max_tokens))
         (sub,) = await submit_all([(ids, params)], body.stream)

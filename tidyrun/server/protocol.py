@@ -140,6 +140,9 @@ class _SamplingFields(_Body):
     # beside the text, and logprob entries named "token_id:<id>" instead of token text
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's add_special_tokens (a BOS the tokenizer adds, ...): None is vLLM's default per route, True for a
+    # completion's text prompt, False for a rendered chat (its template writes them)
+    add_special_tokens: bool | None = None
 
     def _check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
