@@ -333,6 +333,28 @@ def test_add_special_tokens_defaults_per_route_as_in_vllm(tmp_path):
         assert loop.stop().clean
 
 
+def test_tokenize_and_detokenize_routes(server, client):
+    """vLLM's /tokenize (a text prompt, or chat messages through the template) and /detokenize, counted as the
+    generation routes count the same inputs; /version and /ping answer too."""
+    post = lambda path, **body: httpx.post(f"{server.url}{path}", json={"model": "smol", **body}, timeout=60)  # noqa: E731
+    text = post("/tokenize", prompt=PROMPT, return_token_strs=True).json()
+    assert text["count"] == len(text["tokens"]) == complete(client, max_tokens=1).usage.prompt_tokens
+    assert text["max_model_len"] == 512 and len(text["token_strs"]) == text["count"]
+    assert post("/detokenize", tokens=text["tokens"]).json() == {"prompt": PROMPT}
+    chat = post("/tokenize", messages=QUESTION).json()
+    used = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == used and chat["token_strs"] is None
+    assert post("/tokenize", messages=QUESTION, add_generation_prompt=False).json()["count"] < used
+    for bad, needle in [({"prompt": PROMPT, "messages": QUESTION}, "exactly one"), ({}, "exactly one"),
+                        ({"messages": QUESTION, "chat_template": "{{ 1 }}"}, "--trust-request-chat-template")]:
+        r = post("/tokenize", **bad)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    r = post("/detokenize", tokens=[10 ** 9])
+    assert r.status_code == 400 and "token ids must be in" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.get(f"{server.url}/ping").status_code == httpx.post(f"{server.url}/ping").status_code == 200
+
+
 def test_a_refused_prompt_refuses_the_whole_request(server):
     """The engine accepts the first prompt and refuses the second: the answer is a 400 and the first,
     already queued, is aborted (nothing keeps running for a request that failed)."""

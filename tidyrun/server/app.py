@@ -32,7 +32,8 @@ from .choices import ChatChoices, CompletionChoices
 from .engine_loop import EngineLoop, Submission
 from .logprobs_format import TokenIdText, TokenText
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, UpdateWeightsRequest
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                       TokenizeRequest, UpdateWeightsRequest)
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -221,6 +222,12 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
                            "<admin key>' (the server's --admin-key, or its --api-key when no admin key is set)",
                            "authentication_error", code="invalid_api_key")
 
+    def check_template(chat_template: str | None) -> None:
+        if chat_template is not None and not trust_request_chat_template:
+            raise APIError(400, "chat_template: this server does not run templates sent with a request; start it "
+                           "with --trust-request-chat-template to allow them", "invalid_request_error",
+                           "chat_template")
+
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
             raise APIError(404, f"model {name!r} does not exist; this server serves {served_model_name!r}",
@@ -382,10 +389,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        if body.chat_template is not None and not trust_request_chat_template:
-            raise APIError(400, "chat_template: this server does not run templates sent with a request; start it "
-                           "with --trust-request-chat-template to allow them", "invalid_request_error",
-                           "chat_template")
+        check_template(body.chat_template)
         ids = truncate(tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt,
                                                      continue_final_message=body.continue_final_message,
                                                      chat_template=body.chat_template,
@@ -448,6 +452,33 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         return {"object": "list", "data": data, "model": served_model_name,
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
+    # vLLM's tokenizer routes (outside /v1, as vLLM serves them): what a prompt costs in tokens before sending it
+    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        body.check()
+        if body.messages is not None:
+            check_template(body.chat_template)
+            conversation = [m.as_template_message() for m in body.messages]
+            ids = tokenizer.apply_chat_template(conversation, body.add_generation_prompt,
+                                                continue_final_message=body.continue_final_message,
+                                                chat_template=body.chat_template,
+                                                template_kwargs=body.chat_template_kwargs,
+                                                add_special_tokens=bool(body.add_special_tokens))
+        else:
+            ids = encode(body.prompt, body.add_special_tokens)
+        metrics.count("/tokenize", 200)
+        strs = tokenizer.hf_tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        metrics.count("/detokenize", 200)
+        return {"prompt": tokenizer.decode(body.tokens)}
+
     # -- health, metrics, lifecycle ----------------------------------------------------
 
     @app.get("/health")
@@ -457,6 +488,17 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         if reason is not None:
             raise APIError(503, f"engine is not serving: {reason}", "service_unavailable")
         return {"status": "ok", "sleeping": loop.stats.values.get("sleeping", False)}
+
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (SageMaker's) liveness probe: /health's answer."""
+        return await health()
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -352,3 +352,29 @@ class EmbeddingRequest(_Body):
         if self.dimensions is not None:
             raise InvalidRequestError("dimensions is not supported by tidyrun")
         return split_inputs(self.input, "input")
+
+
+class TokenizeRequest(_Body):
+    """vLLM's POST /tokenize: a text ``prompt`` (special tokens added by default), or chat ``messages``
+    rendered with the chat template first (special tokens not added by default: the template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("tokenize needs exactly one of prompt (text) or messages (a chat)")
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
