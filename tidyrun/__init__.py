@@ -12,9 +12,10 @@ from .outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
 from .pooling_params import PoolingParams
 from .sampling_params import (BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams,
                               StructuredOutputsParams)
+from .v1.engine.llm_engine import LLMEngine
 
 __all__ = (
-    "LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind",
+    "LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind",
     "RequestOutput", "CompletionOutput",
     "TextPrompt", "TokensPrompt", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
     "ScoringRequestOutput", "PoolingOutput", "PoolingRequestOutput", "BeamSearchParams", "BeamSearchOutput",
