@@ -4,9 +4,7 @@ vLLM's own examples (``llm_engine_example.py``, ``reset_kv.py``) and many servin
 this way: ``LLMEngine.from_engine_args(EngineArgs(...))``, ``add_request(request_id, prompt, params)``,
 ``step()`` until ``has_unfinished_requests()`` is False. ``LLM`` offers the same loop, but its ``step()``
 returns finished requests only; here, as in vLLM, ``step()`` returns an output for every request the step
-advanced, as its ``SamplingParams.output_kind`` asks: ``CUMULATIVE`` (the default: everything so far),
-``DELTA`` (only what is new since the request's last output) or ``FINAL_ONLY`` (once, when it finishes).
-Text that could still be the start of a stop string is held back until it is decided, as vLLM does.
+advanced, as its ``SamplingParams.output_kind`` asks (``output_kind.py``).
 
 It owns the ``LLM`` it makes (``from_engine_args``) or is given, and ``shutdown()`` (or leaving a ``with``
 block) shuts that down with its verified teardown; it holds no device memory of its own.
@@ -19,20 +17,9 @@ from collections.abc import Iterable
 
 from ...engine import LLM
 from ...errors import InvalidRequestError
-from ...outputs import CompletionOutput, RequestOutput
-from ...sampling_params import RequestOutputKind, SamplingParams
-from ...sequence import streamable_length
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """What one request has been sent so far: per completion index, tokens and characters."""
-
-    kind: RequestOutputKind
-    stop: tuple[str, ...]
-    tokens: dict[int, int] = dataclasses.field(default_factory=dict)
-    chars: dict[int, int] = dataclasses.field(default_factory=dict)
-    prompt_sent: bool = False
+from ...outputs import RequestOutput
+from ...sampling_params import SamplingParams
+from .output_kind import OutputView
 
 
 class LLMEngine:
@@ -43,7 +30,7 @@ class LLMEngine:
             raise InvalidRequestError(f"LLMEngine wraps a tidyrun.LLM, got {type(llm).__name__}; build one with "
                                       "LLMEngine.from_engine_args(EngineArgs(...))")
         self.llm = llm
-        self._tracked: dict[str, _Tracked] = {}  # in add order: outputs come back in that order
+        self._tracked: dict[str, OutputView] = {}  # in add order: outputs come back in that order
 
     @classmethod
     def from_engine_args(cls, engine_args, usage_context=None, stat_loggers=None,
@@ -82,7 +69,7 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         self.llm.add_request(prompt, params, request_id=request_id)
-        self._tracked[request_id] = _Tracked(RequestOutputKind(params.output_kind), tuple(params.stop or ()))
+        self._tracked[request_id] = OutputView(params)
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -96,10 +83,10 @@ class LLMEngine:
         of their own."""
         finished = {out.request_id: out for out in self.llm.step()}
         outputs = []
-        for request_id, tracked in list(self._tracked.items()):
+        for request_id, view in list(self._tracked.items()):
             out = finished.get(request_id)
             if out is None:
-                if tracked.kind == RequestOutputKind.FINAL_ONLY:
+                if view.final_only:
                     continue
                 out = self.llm.request_output(request_id)
                 if out is None:  # added straight to the LLM under this id and collected there
@@ -107,33 +94,10 @@ class LLMEngine:
                     continue
             else:
                 del self._tracked[request_id]
-            shown = self._shown(out, tracked)
+            shown = view.show(out)
             if shown is not None:
                 outputs.append(shown)
         return outputs
-
-    def _shown(self, out: RequestOutput, tracked: _Tracked) -> RequestOutput | None:
-        """``out`` as its kind shows it now; None when nothing new is ready to show."""
-        done = out.finished
-        completions, advanced = [], done
-        for c in out.outputs:
-            visible = streamable_length(c.text, tracked.stop, c.finished())
-            tokens, chars = tracked.tokens.get(c.index, 0), tracked.chars.get(c.index, 0)
-            advanced |= len(c.token_ids) > tokens or visible > chars
-            if tracked.kind == RequestOutputKind.DELTA:
-                completions.append(dataclasses.replace(
-                    c, text=c.text[chars:visible], token_ids=c.token_ids[tokens:],
-                    logprobs=None if c.logprobs is None else c.logprobs[tokens:]))
-            else:
-                completions.append(c if visible == len(c.text) else dataclasses.replace(c, text=c.text[:visible]))
-            tracked.tokens[c.index], tracked.chars[c.index] = len(c.token_ids), max(chars, visible)
-        if not advanced:
-            return None
-        prompt_logprobs = out.prompt_logprobs
-        if tracked.kind == RequestOutputKind.DELTA and tracked.prompt_sent:
-            prompt_logprobs = None  # a delta stream carries them once, with its first output
-        tracked.prompt_sent = True
-        return dataclasses.replace(out, outputs=completions, prompt_logprobs=prompt_logprobs)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked) or self.llm.has_unfinished_requests()

@@ -1,0 +1,59 @@
+"""What a request's ``SamplingParams.output_kind`` shows of its progress, for the engines that hand out
+outputs while requests run (``LLMEngine.step``, ``AsyncLLM.generate``).
+
+``CUMULATIVE`` (vLLM's default): everything so far; ``DELTA``: only what is new since the request's last
+output (prompt logprobs once, with the first); ``FINAL_ONLY``: the finished output alone. In every kind,
+text that could still be the start of a stop string is held back until it is decided, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...outputs import RequestOutput
+from ...sampling_params import RequestOutputKind, SamplingParams
+from ...sequence import streamable_length
+
+
+class OutputView:
+    """One request's outputs as its output kind shows them; remembers what it has shown."""
+
+    def __init__(self, params: SamplingParams, request_id: str | None = None) -> None:
+        """``request_id``: the id to show (an engine that runs the request under another id of its own)."""
+        self.kind = RequestOutputKind(params.output_kind)
+        self._stop = tuple(params.stop or ())
+        self._request_id = request_id
+        self._tokens: dict[int, int] = {}
+        self._chars: dict[int, int] = {}
+        self._prompt_shown = False
+
+    @property
+    def final_only(self) -> bool:
+        return self.kind == RequestOutputKind.FINAL_ONLY
+
+    def show(self, out: RequestOutput) -> RequestOutput | None:
+        """``out`` as this request's kind shows it now; None when nothing new is ready to show."""
+        if self.final_only and not out.finished:
+            return None
+        delta = self.kind == RequestOutputKind.DELTA
+        completions, advanced = [], out.finished
+        for c in out.outputs:
+            visible = streamable_length(c.text, self._stop, c.finished())
+            tokens, chars = self._tokens.get(c.index, 0), self._chars.get(c.index, 0)
+            advanced |= len(c.token_ids) > tokens or visible > chars
+            if delta:
+                completions.append(dataclasses.replace(
+                    c, text=c.text[chars:visible], token_ids=c.token_ids[tokens:],
+                    logprobs=None if c.logprobs is None else c.logprobs[tokens:]))
+            else:
+                completions.append(c if visible == len(c.text) else dataclasses.replace(c, text=c.text[:visible]))
+            self._tokens[c.index], self._chars[c.index] = len(c.token_ids), max(chars, visible)
+        if not advanced:
+            return None
+        changes = {"outputs": completions}
+        if delta and self._prompt_shown:
+            changes["prompt_logprobs"] = None  # a delta stream carries them once, with its first output
+        if self._request_id is not None:
+            changes["request_id"] = self._request_id
+        self._prompt_shown = True
+        return dataclasses.replace(out, **changes)
