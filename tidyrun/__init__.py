@@ -1,6 +1,6 @@
 """tidyrun: an in-process LLM inference engine that gives back every byte it took."""
 
-from .arg_utils import EngineArgs
+from .arg_utils import AsyncEngineArgs, EngineArgs
 from .beam_search import BeamSearchOutput, BeamSearchSequence
 from .engine import LLM
 from .errors import (EngineShutdownError, EngineSleepingError, InvalidRequestError, ModelLoadError, OutOfResourcesError,
@@ -12,10 +12,11 @@ from .outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
 from .pooling_params import PoolingParams
 from .sampling_params import (BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams,
                               StructuredOutputsParams)
+from .v1.engine.async_llm import AsyncLLM, AsyncLLMEngine
 from .v1.engine.llm_engine import LLMEngine
 
 __all__ = (
-    "LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind",
+    "LLM", "LLMEngine", "AsyncLLM", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutputKind",
     "RequestOutput", "CompletionOutput",
     "TextPrompt", "TokensPrompt", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
     "ScoringRequestOutput", "PoolingOutput", "PoolingRequestOutput", "BeamSearchParams", "BeamSearchOutput",

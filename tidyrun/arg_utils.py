@@ -75,6 +75,23 @@ EngineArgs = dataclasses.make_dataclass(
                           "``LLM(**dataclasses.asdict(engine_args))`` builds the engine."})
 EngineArgs.__module__ = __name__  # (make_dataclass's module= is Python 3.12's)
 
+# vLLM's AsyncEngineArgs: EngineArgs plus its request-logging switches (tidyrun logs no requests: no effect).
+AsyncEngineArgs = dataclasses.make_dataclass(
+    "AsyncEngineArgs", [("enable_log_requests", bool, dataclasses.field(default=False)),
+                        ("disable_log_requests", bool, dataclasses.field(default=True))],
+    bases=(EngineArgs,), namespace={"__doc__": "vLLM's AsyncEngineArgs: EngineArgs plus request-logging switches "
+                                               "(no effect: tidyrun logs no requests)."})
+AsyncEngineArgs.__module__ = __name__
+
+
+def llm_kwargs(engine_args) -> dict:
+    """``LLM``'s keywords from an ``(Async)EngineArgs`` (what ``LLM(**...)`` takes of it)."""
+    from .errors import InvalidRequestError
+
+    if not isinstance(engine_args, EngineArgs):
+        raise InvalidRequestError(f"from_engine_args needs an EngineArgs, got {type(engine_args).__name__}")
+    return {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)}
+
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
     """vLLM's parser: ``--max_model_len`` is read as ``--max-model-len`` (options with underscores or dashes)."""

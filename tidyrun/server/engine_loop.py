@@ -155,6 +155,11 @@ class EngineLoop:
         self._commands.put(("call", fn, future, asyncio.get_running_loop()))
         return await future
 
+    def abort(self, sub: Submission) -> None:
+        """Abort one request in flight and still hand its subscriber the final output (finish_reason
+        "abort"), as ``abort_all`` does for every one (``Submission.close`` aborts without an answer)."""
+        self._commands.put(("abort_one", sub.request_id))
+
     def abort_all(self) -> None:
         """Abort every request in flight; each still gets its final output (finish_reason "abort"), so its
         client sees a proper end: the graceful stop's last step, when the grace period is over. Safe from
@@ -239,6 +244,9 @@ class EngineLoop:
             request_id = cmd[1]
             if self._subscribers.pop(request_id, None) is not None:
                 self.llm.abort_request(request_id)
+        elif kind == "abort_one":  # its subscriber stays: the next step hands it the aborted output
+            if cmd[1] in self._subscribers:
+                self.llm.abort_request(cmd[1])
         elif kind == "abort_all":  # the subscribers stay: the next step hands them their aborted outputs
             for request_id in self._subscribers:
                 self.llm.abort_request(request_id)

@@ -12,9 +12,9 @@ block) shuts that down with its verified teardown; it holds no device memory of 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
+from ...arg_utils import llm_kwargs
 from ...engine import LLM
 from ...errors import InvalidRequestError
 from ...outputs import RequestOutput
@@ -41,9 +41,7 @@ class LLMEngine:
         if stat_loggers:
             raise InvalidRequestError("LLMEngine.from_engine_args(stat_loggers=...) is not supported: tidyrun has no "
                                       "pluggable stat loggers; read LLM.get_metrics() or the server's /metrics")
-        if not dataclasses.is_dataclass(engine_args):
-            raise InvalidRequestError(f"from_engine_args needs an EngineArgs, got {type(engine_args).__name__}")
-        return cls(LLM(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}))
+        return cls(LLM(**llm_kwargs(engine_args)))
 
     # -- requests ----------------------------------------------------------------------
 
