@@ -355,6 +355,23 @@ def test_tokenize_and_detokenize_routes(server, client):
     assert httpx.get(f"{server.url}/ping").status_code == httpx.post(f"{server.url}/ping").status_code == 200
 
 
+def test_stream_usage_at_the_end_or_in_every_chunk(client):
+    """stream_options.include_usage: one last chunk with no choices and the usage; vLLM's
+    continuous_usage_stats adds the usage so far to every chunk (never falling, ending at the total)."""
+    full = complete(client, max_tokens=6)
+    chunks = list(complete(client, max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    for stream in (complete(client, max_tokens=6, stream=True,
+                            stream_options={"include_usage": True, "continuous_usage_stats": True}),
+                   client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=6, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True,
+                                                                               "continuous_usage_stats": True})):
+        seen = [c.usage.completion_tokens for c in stream]
+        assert seen == sorted(seen) and seen[-1] >= 1 and len(seen) > 2
+
+
 def test_a_refused_prompt_refuses_the_whole_request(server):
     """The engine accepts the first prompt and refuses the second: the answer is a 400 and the first,
     already queued, is aborted (nothing keeps running for a request that failed)."""

@@ -308,21 +308,30 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         return f"data: {json.dumps(obj)}\n\n"
 
     async def stream_choices(sub: Submission, prompt_len: int, choices, envelope: Callable[[list], dict],
-                             include_usage: bool, opening: list[dict] = ()) -> AsyncIterator[str]:
-        """SSE chunks (``envelope(choice deltas)``) of every choice's progress per step; ``[DONE]`` at the end."""
+                             include_usage: bool, opening: list[dict] = (),
+                             continuous: bool = False) -> AsyncIterator[str]:
+        """SSE chunks (``envelope(choice deltas)``) of every choice's progress per step; ``[DONE]`` at the end.
+        ``continuous`` (vLLM's continuous_usage_stats): each chunk also carries the usage so far."""
         done: set[int] = set()
         last = None
+        so_far = 0  # tokens generated so far, all choices
+
+        def chunk(deltas: list) -> str:
+            body = envelope(deltas)
+            return sse(body | {"usage": usage(prompt_len, so_far)} if continuous else body)
+
         try:
             for choice in opening:
-                yield sse(envelope([choice]))
+                yield chunk([choice])
             async for out in sub:
                 last = out
+                so_far = sum(len(choices.generated(c)[1]) for c in out.outputs)
                 for c in out.outputs:
                     if c.index in done:
                         continue
                     delta = choices.delta(out, c)
                     if delta is not None:
-                        yield sse(envelope([delta]))
+                        yield chunk([delta])
                     if c.finished():
                         done.add(c.index)
         finally:
@@ -372,7 +381,8 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
 
             metrics.count("/v1/completions", 200)
             return StreamingResponse(stream_choices(subs[0], len(prompts[0]), choices_of(0), envelope,
-                                                    body.include_usage), media_type="text/event-stream")
+                                                    body.include_usage, continuous=body.continuous_usage),
+                                     media_type="text/event-stream")
         outs = await run_to_end(request, subs)
         choices, completion_tokens = [], 0
         for k, out in enumerate(outs):
@@ -414,7 +424,8 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
             opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None} for i in range(params.n)]
             metrics.count("/v1/chat/completions", 200)
-            return StreamingResponse(stream_choices(sub, len(ids), choices, envelope, body.include_usage, opening),
+            return StreamingResponse(stream_choices(sub, len(ids), choices, envelope, body.include_usage, opening,
+                                                    continuous=body.continuous_usage),
                                      media_type="text/event-stream")
         (out,) = await run_to_end(request, [sub])
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)

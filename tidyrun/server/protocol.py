@@ -97,6 +97,7 @@ class StructuredOutputsRequest(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # -- the sampling fields both generation routes share ---------------------------------------
@@ -206,6 +207,10 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
