@@ -50,7 +50,9 @@ def main() -> None:
 
     def recording(self):
         batch = schedule(self)
-        scheduled.append((len(batch.seqs), sum(batch.num_new_tokens), sum(s.num_computed_tokens for s in batch.seqs)))
+        if batch.seqs:  # the empty schedule of a finished run launches nothing
+            scheduled.append((len(batch.seqs), sum(batch.num_new_tokens),
+                              sum(s.num_computed_tokens for s in batch.seqs)))
         return batch
 
     try:
@@ -74,7 +76,9 @@ def main() -> None:
             wall = time.perf_counter() - t0
         Scheduler.schedule = schedule
         buckets = collections.defaultdict(lambda: dict(steps=0, wall_s=0.0, floor_s=0.0))
-        for (rows, tokens, keys), t in zip(scheduled, times):  # async: the call that scheduled a batch launched it
+        # Step call i books batch i (under async scheduling it launched batch i + 1 first, and the first call
+        # launched batches 0 and 1): its time is mostly the wait for batch i's device work.
+        for (rows, tokens, keys), t in zip(scheduled, times):
             prefill = tokens > rows
             name = "prefill" if prefill else next(label for top, label in BUCKETS if rows <= top)
             b = buckets[name]

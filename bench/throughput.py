@@ -85,13 +85,21 @@ def tidyrun_throughput(ckpt: str, args: argparse.Namespace, mode: str, work: Wor
         preemptions = llm.stats()["preemptions"]
         mc, elem = llm.runner.model_config, torch.empty((), dtype=llm.dtype).element_size()
         floor = floor_seconds(work, llm.runner.arena.nbytes, mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem,
-                              args.peak_bw, 2 * llm.runner.arena.nbytes / elem, args.peak_flops)
+                              args.peak_bw, 2 * token_matmul_elements(mc, llm.runner.arena.nbytes, elem),
+                              args.peak_flops)
     finally:
         llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return dict(engine=f"tidyrun ({mode})", requests=len(work[0]), output_tokens=tokens,
                 expected_tokens=sum(work[1]), computed_tokens=tokens, wall_s=wall, tok_s=tokens / wall,
                 preemptions=preemptions, floor_s=floor)
+
+
+def token_matmul_elements(mc, weight_bytes: int, elem: int) -> float:
+    """Weight elements one token multiplies (its FLOPs are twice that): all the weights but an untied input
+    embedding (a lookup, not a product) and, for a mixture of experts, the experts it is not routed to."""
+    untied_embedding = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size * elem
+    return (weight_bytes - untied_embedding - unrouted_expert_bytes(mc, 1, elem)) / elem
 
 
 def floor_seconds(work: Workload, weight_bytes: int, kv_bytes_per_token: int, peak_bw: float,

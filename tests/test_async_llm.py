@@ -91,6 +91,24 @@ def test_abort_ends_the_stream_and_break_frees_the_request(engine):
     assert asyncio.run(idle())
 
 
+def test_a_reader_whose_event_loop_closed_costs_the_engine_nothing(engine):
+    """asyncio.run returning while its request streams (or a call is pending: wait_for's timeout) leaves
+    outputs nobody can take: the engine thread drops them and aborts the request, and keeps serving."""
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+
+    async def leave_after_one(i):
+        gen = engine.generate(PROMPTS[0], params, f"left{i}")
+        await gen.__anext__()  # then asyncio.run closes the loop (and the generator) under the running request
+
+    for i in range(5):
+        asyncio.run(leave_after_one(i))
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(engine.get_metrics(), 0.0001))
+    assert not engine.errored and engine.is_running
+    outs = asyncio.run(collect(engine, PROMPTS[1], SamplingParams(temperature=0, max_tokens=4), "after"))
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+
+
 def test_refusals_raise_before_anything_is_yielded(engine):
     async def first(prompt, params, request_id="x", **kw):
         async for out in engine.generate(prompt, params, request_id, **kw):
@@ -106,6 +124,12 @@ def test_refusals_raise_before_anything_is_yielded(engine):
             asyncio.run(first(*call))
     with pytest.raises(InvalidRequestError, match="priority"):
         asyncio.run(first(PROMPTS[0], SamplingParams(), priority=1))
+    with pytest.raises(InvalidRequestError, match="tokenization_kwargs"):
+        asyncio.run(first(PROMPTS[0], SamplingParams(), tokenization_kwargs={"truncation": True}))
+    mutated = SamplingParams()
+    mutated.output_kind = "delta"  # checked as submitted (a bare ValueError before)
+    with pytest.raises(InvalidRequestError, match="output_kind"):
+        asyncio.run(first(PROMPTS[0], mutated))
 
     async def duplicate():
         gen = engine.generate(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), "dup")

@@ -376,3 +376,25 @@ def test_grammar_rows_with_more_processing_stay_on_the_processed_path(engines, m
     calls = count_calls(monkeypatch, ModelRunner, "_masked_race", "_draw_rows")
     engines[False].generate(list(QUESTIONS[:2]), params, use_tqdm=False)
     assert calls["_masked_race"] == 0 and calls["_draw_rows"] >= 5, calls
+
+
+def test_reset_prefix_cache_of_running_requests_with_a_step_in_flight(engines):
+    """reset_prefix_cache(reset_running_requests=True) while a step runs ahead: that step is booked first
+    (its tokens kept), then the requests are preempted and recompute; the outputs are the synchronous
+    engine's, with nothing left to reuse."""
+    prompts = [list(range(200, 250)), list(range(300, 340))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in engines[False].generate(prompts, params, use_tqdm=False)]
+    llm = engines[True]
+    ids = [llm.add_request(p, params) for p in prompts]
+    for _ in range(4):
+        llm.step()
+    assert not llm._pipeline.idle  # a step is in flight: the path under test
+    cached = llm.stats()["prefix_cached_tokens"]
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    assert llm._pipeline.idle
+    outputs = {}
+    while llm.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in llm.step()})
+    assert [outputs[i].outputs[0].token_ids for i in ids] == want
+    assert llm.stats()["prefix_cached_tokens"] == cached

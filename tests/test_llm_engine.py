@@ -72,6 +72,26 @@ def test_delta_outputs_add_up_to_the_whole_and_hold_back_stop_text(llm, engine):
     assert deltas[-1].finish_reason == "stop" and all(d.finish_reason is None for d in deltas[:-1])
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_n_completions_stream_each_finish_once(llm, engine, kind):
+    """n=3 with a stop that ends completions at different steps: a finished completion is shown finished
+    once and then left out (as vLLM streams children); a request reads finished only at its end."""
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=24, stop=[" "], output_kind=kind)
+    engine.add_request("n", "Once upon a time", params)
+    outs = run(engine)["n"]
+    finishes = [c.index for o in outs for c in o.outputs if c.finish_reason is not None]
+    assert sorted(finishes) == [0, 1, 2]
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    whole = llm.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=24,
+                                                            stop=[" "]), use_tqdm=False)[0]
+    for c in whole.outputs:
+        mine = [d for o in outs for d in o.outputs if d.index == c.index]
+        if kind == RequestOutputKind.DELTA:
+            assert "".join(d.text for d in mine) == c.text and [t for d in mine for t in d.token_ids] == c.token_ids
+        else:
+            assert mine[-1].text == c.text and mine[-1].token_ids == c.token_ids
+
+
 def test_final_only_gives_one_output(llm, engine):
     params = SamplingParams(temperature=0, max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)
     engine.add_request("f", PROMPT, params)
@@ -118,7 +138,8 @@ def test_duplicate_id_refused_while_in_flight(engine):
 
 
 def test_from_engine_args_builds_and_shuts_down_its_engine(default_model):
-    with LLMEngine.from_engine_args(EngineArgs(model=default_model, device="cpu", max_model_len=128)) as engine:
+    engine_args = EngineArgs(model=default_model, device="cpu", max_model_len=128, block_size=None)  # vLLM's default
+    with LLMEngine.from_engine_args(engine_args) as engine:
         engine.add_request("0", PROMPT, SamplingParams(temperature=0, max_tokens=3))
         assert len(run(engine)["0"]) == 3
         assert engine.model_config.max_model_len == 128 and engine.get_tokenizer() is not None

@@ -56,6 +56,13 @@ def test_request_chat_template_on_a_trusting_server(client):
                                        extra_body={"chat_template": bare, "add_generation_prompt": False})
     same = client.completions.create(model="smol", prompt=QUESTION[0]["content"], max_tokens=1, temperature=0)
     assert r.usage.prompt_tokens == same.usage.prompt_tokens
+    # the template's variables reach it (chat_template_kwargs), and may carry the template itself here
+    greeting = "{{ greeting }}" + bare
+    for extra in ({"chat_template": greeting, "chat_template_kwargs": {"greeting": "Dear model,"}},
+                  {"chat_template_kwargs": {"chat_template": greeting, "greeting": "Dear model,"}}):
+        greeted = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=1, temperature=0,
+                                                 extra_body={**extra, "add_generation_prompt": False})
+        assert greeted.usage.prompt_tokens > r.usage.prompt_tokens
 
 
 def test_chat_streaming_equals_non_streaming(client):

@@ -227,6 +227,10 @@ def test_logit_bias_forces_and_forbids_tokens(client):
     ("chat/completions", {"chat_template": "{{ messages }}"}, "--trust-request-chat-template"),
     ("chat/completions", {"continue_final_message": True}, "add_generation_prompt=False"),
     ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs may not set"),
+    # a template slipped in through the template's variables, which override the named arguments
+    ("chat/completions", {"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "--trust-request-chat-template"),
+    ("chat/completions", {"chat_template_kwargs": {"tools": [{"type": "function"}]}}, "tools are not supported"),
+    ("chat/completions", {"chat_template_kwargs": {"continue_final_message": True}}, "add_generation_prompt=False"),
 ])
 def test_unsupported_or_invalid_options_are_400_naming_the_field(server, route, extra, needle):
     body = {"model": "smol", "max_tokens": 2, **extra}
@@ -363,13 +367,15 @@ def test_stream_usage_at_the_end_or_in_every_chunk(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
-    for stream in (complete(client, max_tokens=6, stream=True,
-                            stream_options={"include_usage": True, "continuous_usage_stats": True}),
-                   client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=6, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True,
-                                                                               "continuous_usage_stats": True})):
-        seen = [c.usage.completion_tokens for c in stream]
-        assert seen == sorted(seen) and seen[-1] >= 1 and len(seen) > 2
+    chat = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=6, temperature=0)
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    for whole, stream in ((full, complete(client, max_tokens=6, stream=True, stream_options=continuous)),
+                          (chat, client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=6,
+                                                                temperature=0, stream=True, stream_options=continuous))):
+        usages = [c.usage for c in stream]
+        seen = [u.completion_tokens for u in usages]
+        assert seen == sorted(seen) and seen[-1] == whole.usage.completion_tokens and len(seen) > 2
+        assert all(u.prompt_tokens == whole.usage.prompt_tokens for u in usages)
 
 
 def test_a_refused_prompt_refuses_the_whole_request(server):

@@ -144,6 +144,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         from .errors import InvalidRequestError
 
+        if self.block_size is None:  # vLLM's EngineArgs default: the platform's choice, which is 16 here
+            object.__setattr__(self, "block_size", 16)
         _check_types("the KV cache's settings", dict(block_size=self.block_size, num_blocks=self.num_blocks,
                                                      memory_bytes=self.memory_bytes),
                      dict(gpu_memory_utilization=self.gpu_memory_utilization))

@@ -93,9 +93,6 @@ class Tokenizer:
         ):
             raise InvalidRequestError("messages must be a list of {'role': str, 'content': str (or a list of text "
                                       "parts)} dicts")
-        if continue_final_message and add_generation_prompt:
-            raise InvalidRequestError("continue_final_message=True needs add_generation_prompt=False "
-                                      "(the reply continues the last message instead of starting a new one)")
         extra = dict(template_kwargs or {})
         reserved = sorted(set(extra) & {"conversation", "tokenize", "return_dict", "return_tensors"})
         if reserved:
@@ -104,6 +101,9 @@ class Tokenizer:
         options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                        chat_template=chat_template, tools=tools)
         options.update(extra)  # as in vLLM, chat_template_kwargs override the named arguments
+        if options["continue_final_message"] and options["add_generation_prompt"]:  # also when set by the kwargs
+            raise InvalidRequestError("continue_final_message=True needs add_generation_prompt=False "
+                                      "(the reply continues the last message instead of starting a new one)")
         try:
             text = self._tok.apply_chat_template(messages, tokenize=False, **options)
         except Exception as exc:  # jinja2 TemplateError, or a template raising on its input

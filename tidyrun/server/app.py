@@ -222,11 +222,18 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
                            "<admin key>' (the server's --admin-key, or its --api-key when no admin key is set)",
                            "authentication_error", code="invalid_api_key")
 
-    def check_template(chat_template: str | None) -> None:
-        if chat_template is not None and not trust_request_chat_template:
+    def check_template(chat_template: str | None, template_kwargs: dict | None) -> None:
+        """A request's own template (``chat_template``, or one slipped in through ``chat_template_kwargs``,
+        which override the named arguments) only on a trusting server; tools only as the tools field,
+        which is refused."""
+        kwargs = template_kwargs or {}
+        if (chat_template is not None or "chat_template" in kwargs) and not trust_request_chat_template:
             raise APIError(400, "chat_template: this server does not run templates sent with a request; start it "
                            "with --trust-request-chat-template to allow them", "invalid_request_error",
                            "chat_template")
+        if "tools" in kwargs:
+            raise APIError(400, "tools are not supported by tidyrun (chat_template_kwargs.tools)",
+                           "invalid_request_error", "chat_template_kwargs")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -399,7 +406,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        check_template(body.chat_template)
+        check_template(body.chat_template, body.chat_template_kwargs)
         ids = truncate(tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt,
                                                      continue_final_message=body.continue_final_message,
                                                      chat_template=body.chat_template,
@@ -469,7 +476,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         check_model(body.model)
         body.check()
         if body.messages is not None:
-            check_template(body.chat_template)
+            check_template(body.chat_template, body.chat_template_kwargs)
             conversation = [m.as_template_message() for m in body.messages]
             ids = tokenizer.apply_chat_template(conversation, body.add_generation_prompt,
                                                 continue_final_message=body.continue_final_message,

@@ -32,8 +32,10 @@ class _Subscriber:
     queue: asyncio.Queue
     stream: bool = True  # False: only the final output is wanted (the text is then built once, at the end)
 
-    def push(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def push(self, item) -> bool:
+        """Hand ``item`` to the waiting coroutine; False when its event loop is closed (an ``asyncio.run``
+        that returned while its request ran): nobody is left to read it, and the engine thread goes on."""
+        return _deliver(self.loop, self.queue.put_nowait, item)
 
 
 @dataclass
@@ -237,7 +239,9 @@ class EngineLoop:
             try:
                 self.llm.add_request(prompt, params, request_id=request_id)
                 self._subscribers[request_id] = sub
-                sub.push(_ACCEPTED)
+                if not sub.push(_ACCEPTED):  # its reader's event loop closed before the request was queued
+                    del self._subscribers[request_id]
+                    self.llm.abort_request(request_id)
             except Exception as exc:  # a bad request fails alone; the loop keeps serving
                 sub.push(_Failure(exc))
         elif kind == "abort":
@@ -256,9 +260,16 @@ class EngineLoop:
                 result = fn(self.llm)
                 self._refresh_memory()  # sleep, wake_up, update_weights...: before the caller sees the result
             except Exception as exc:
-                loop.call_soon_threadsafe(_set_exception, future, exc)
+                _deliver(loop, _set_exception, future, exc)
             else:
-                loop.call_soon_threadsafe(_set_result, future, result)
+                _deliver(loop, _set_result, future, result)
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                _refuse(self._commands.get_nowait())
+            except queue.Empty:
+                return
 
     def _refresh_memory(self) -> None:
         if not self.llm.is_shut_down:
@@ -280,22 +291,42 @@ class EngineLoop:
             if not sub.stream and request_id not in finished:
                 continue  # building an intermediate output would detokenize every step for nobody
             out = finished.get(request_id) or self.llm.request_output(request_id)
-            if out is not None:
-                sub.push(out)
-            if request_id in finished:
+            delivered = out is None or sub.push(out)
+            if request_id in finished or not delivered:
                 del self._subscribers[request_id]
+                if request_id not in finished:  # its reader's event loop is gone: free its blocks
+                    self.llm.abort_request(request_id)
 
     def _shutdown(self) -> None:
+        self._refuse_queued()
         try:
             report = self.llm.shutdown()
+            self.shutdown_report = report
             for out in report.aborted:
                 sub = self._subscribers.pop(out.request_id, None)
                 if sub is not None:
                     sub.push(out)
-            self.shutdown_report = report
             logger.info("engine shut down: %s", report)
         except Exception:
             logger.exception("engine shutdown failed")
+
+
+def _refuse(cmd: tuple) -> None:
+    """Answer a command the loop will never run (queued after its stop) so that nobody waits on it."""
+    error = EngineShutdownError("the engine was shut down before this was run")
+    if cmd[0] == "add":
+        cmd[4].push(_Failure(error))
+    elif cmd[0] == "call":
+        _deliver(cmd[3], _set_exception, cmd[2], error)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """``fn(*args)`` on ``loop``'s thread; False (and nothing done) when that loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed": checked by the call itself, so no race with is_closed()
+        return False
+    return True
 
 
 def _set_result(future: asyncio.Future, value) -> None:

@@ -21,7 +21,7 @@ from ...errors import EngineShutdownError, InvalidRequestError
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
 from ...server.engine_loop import EngineLoop, Submission
-from .output_kind import OutputView
+from .output_kind import OutputView, checked
 
 
 class AsyncLLM:
@@ -51,10 +51,13 @@ class AsyncLLM:
 
     # -- requests ----------------------------------------------------------------------
 
-    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *, lora_request=None,
-                       trace_headers=None, priority: int = 0, **_routing) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *, prompt_text=None,
+                       lora_request=None, tokenization_kwargs: dict | None = None, trace_headers=None,
+                       priority: int = 0, data_parallel_rank: int | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as the engine advances it, the last one finished. A bad request raises
-        here, before anything is yielded; a LoRA adapter and a priority other than 0 are refused."""
+        here, before anything is yielded; a LoRA adapter, a priority other than 0, tokenizer keywords and a
+        data-parallel rank other than 0 are refused (``prompt_text`` and ``trace_headers`` have no effect)."""
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__}")
         if not isinstance(sampling_params, SamplingParams):
@@ -65,9 +68,14 @@ class AsyncLLM:
         if priority != 0:
             raise InvalidRequestError(f"priority={priority!r} is not supported: requests are scheduled first come, "
                                       "first served (vLLM's default policy); pass 0")
+        if tokenization_kwargs:
+            raise InvalidRequestError(f"tokenization_kwargs={tokenization_kwargs!r} is not supported; tokenize the "
+                                      "prompt yourself and pass {'prompt_token_ids': [...]}")
+        if data_parallel_rank not in (None, 0):
+            raise InvalidRequestError(f"data_parallel_rank={data_parallel_rank!r}: this engine is one rank; pass None")
         if request_id in self._running:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        view = OutputView(sampling_params, request_id)
+        view = OutputView(checked(sampling_params), request_id)
         sub = self._loop.submit(prompt, sampling_params, stream=not view.final_only)
         self._running[request_id] = sub
         try:

@@ -19,7 +19,7 @@ from ...engine import LLM
 from ...errors import InvalidRequestError
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
-from .output_kind import OutputView
+from .output_kind import OutputView, checked
 
 
 class LLMEngine:
@@ -66,8 +66,9 @@ class LLMEngine:
                                       "prompt yourself and pass {'prompt_token_ids': [...]}")
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        view = OutputView(checked(params))
         self.llm.add_request(prompt, params, request_id=request_id)
-        self._tracked[request_id] = OutputView(params)
+        self._tracked[request_id] = view
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
