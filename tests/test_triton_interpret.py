@@ -35,14 +35,57 @@ print("kernels ok")
 def interpreter_env() -> dict:
     here = os.path.dirname(__file__)
     path = [here, os.path.dirname(here)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
+    # One thread each: the three scripts run side by side (``scripts``), and the interpreter's time is Python's.
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
 
 
-def test_kernels_under_interpreter():
-    env = interpreter_env()
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "kernels ok" in proc.stdout
+_TESTS = {"kernels": "test_kernels_under_interpreter", "engine": "test_engine_triton_path_under_interpreter",
+          "async": "test_async_scheduling_triton_path_under_interpreter"}
+
+
+@pytest.fixture(scope="module")
+def scripts(request, tmp_path_factory):
+    """The module's interpreter scripts that the session selected, started together as separate processes:
+    each is one Python thread interpreting kernels for minutes, so side by side they take about the
+    longest one's time instead of the sum (the suite's two slowest tests, ~3 minutes each). Output goes
+    to files (a pipe nobody reads yet could fill and stall a script). Each test waits for its own."""
+    selected = {item.name for item in request.session.items}
+    sources = {"kernels": (SCRIPT, []), "engine": (ENGINE_SCRIPT, ["ckpt"]), "async": (ASYNC_SCRIPT, ["ckpt"])}
+    launched = {}
+    for name, (source, args) in sources.items():
+        if _TESTS[name] not in selected:
+            continue
+        folder = tmp_path_factory.mktemp(name)
+        out, err = open(folder / "stdout", "w+"), open(folder / "stderr", "w+")
+        proc = subprocess.Popen([sys.executable, "-c", source, *[str(folder / a) for a in args]],
+                                env=interpreter_env(), text=True, stdout=out, stderr=err)
+        launched[name] = (proc, out, err)
+    yield launched
+    for proc, out, err in launched.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        out.close()
+        err.close()
+
+
+def finished(scripts, name: str, timeout: float) -> str:
+    """The script's stdout once it has ended (its whole output in the failure message otherwise)."""
+    proc, out, err = scripts[name]
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    out.seek(0)
+    err.seek(0)
+    stdout = out.read()
+    assert proc.returncode == 0, stdout + err.read()
+    return stdout
+
+
+def test_kernels_under_interpreter(scripts):
+    assert "kernels ok" in finished(scripts, "kernels", 600)
 
 
 # CUDA graphs cannot be captured on the CPU: each "graph" runs eagerly on the graph's own input layout and
@@ -107,13 +150,9 @@ print("engine ok")
 """
 
 
-def test_engine_triton_path_under_interpreter(tmp_path):
+def test_engine_triton_path_under_interpreter(scripts):
     """The whole Triton step (packed inputs, tiles, fused kernels) gives the torch path's greedy tokens."""
-    env = interpreter_env()
-    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(tmp_path / "ckpt")], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "engine ok" in proc.stdout
+    assert "engine ok" in finished(scripts, "engine", 900)
 
 
 ASYNC_SCRIPT = """
@@ -173,12 +212,9 @@ print("async ok")
 """
 
 
-def test_async_scheduling_triton_path_under_interpreter(tmp_path):
+def test_async_scheduling_triton_path_under_interpreter(scripts):
     """Async scheduling on the Triton path (pending tokens taken by the kernel, tokens back through the
     pinned slots, graph input layouts, sampled rows keyed by their token's index, deferred steps too): the
     synchronous Triton path's tokens and logprobs; greedy rows the torch path's; a seeded request draws the
     same tokens alone and batched."""
-    proc = subprocess.run([sys.executable, "-c", ASYNC_SCRIPT, str(tmp_path / "ckpt")], env=interpreter_env(),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "async ok" in proc.stdout
+    assert "async ok" in finished(scripts, "async", 900)

@@ -513,9 +513,14 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
 
         return {"version": __version__}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping():
         """vLLM's (SageMaker's) liveness probe: /health's answer."""
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post():
+        """/ping by POST, as vLLM also answers it."""
         return await health()
 
     @app.get("/metrics")
