@@ -21,7 +21,7 @@ from ...errors import EngineShutdownError, InvalidRequestError
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
 from ...server.engine_loop import EngineLoop, Submission
-from .output_kind import OutputView, checked
+from .output_kind import OutputView, check_request, checked
 
 
 class AsyncLLM:
@@ -58,19 +58,7 @@ class AsyncLLM:
         """The request's outputs as the engine advances it, the last one finished. A bad request raises
         here, before anything is yielded; a LoRA adapter, a priority other than 0, tokenizer keywords and a
         data-parallel rank other than 0 are refused (``prompt_text`` and ``trace_headers`` have no effect)."""
-        if not isinstance(request_id, str):
-            raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__}")
-        if not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError(f"AsyncLLM.generate takes SamplingParams, got "
-                                      f"{type(sampling_params).__name__}")
-        if lora_request is not None:
-            raise InvalidRequestError("lora_request is not supported: tidyrun has no LoRA adapters; pass None")
-        if priority != 0:
-            raise InvalidRequestError(f"priority={priority!r} is not supported: requests are scheduled first come, "
-                                      "first served (vLLM's default policy); pass 0")
-        if tokenization_kwargs:
-            raise InvalidRequestError(f"tokenization_kwargs={tokenization_kwargs!r} is not supported; tokenize the "
-                                      "prompt yourself and pass {'prompt_token_ids': [...]}")
+        check_request("AsyncLLM.generate", request_id, sampling_params, lora_request, priority, tokenization_kwargs)
         if data_parallel_rank not in (None, 0):
             raise InvalidRequestError(f"data_parallel_rank={data_parallel_rank!r}: this engine is one rank; pass None")
         if request_id in self._running:

@@ -19,7 +19,7 @@ from ...engine import LLM
 from ...errors import InvalidRequestError
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
-from .output_kind import OutputView, checked
+from .output_kind import OutputView, check_request, checked
 
 
 class LLMEngine:
@@ -51,19 +51,7 @@ class LLMEngine:
         """Queue ``prompt`` under ``request_id`` (vLLM's argument order). ``arrival_time`` and
         ``trace_headers`` are bookkeeping with no effect here; a LoRA adapter, a priority other than 0 and
         tokenizer keywords are refused with the reason."""
-        if not isinstance(request_id, str):
-            raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__}")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"LLMEngine.add_request takes SamplingParams, got {type(params).__name__} "
-                                      "(pooling runs through LLM.embed / encode)")
-        if lora_request is not None:
-            raise InvalidRequestError("lora_request is not supported: tidyrun has no LoRA adapters; pass None")
-        if priority != 0:
-            raise InvalidRequestError(f"priority={priority!r} is not supported: requests are scheduled first come, "
-                                      "first served (vLLM's default policy); pass 0")
-        if tokenization_kwargs:
-            raise InvalidRequestError(f"tokenization_kwargs={tokenization_kwargs!r} is not supported; tokenize the "
-                                      "prompt yourself and pass {'prompt_token_ids': [...]}")
+        check_request("LLMEngine.add_request", request_id, params, lora_request, priority, tokenization_kwargs)
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         view = OutputView(checked(params))

@@ -19,6 +19,24 @@ from ...sampling_params import RequestOutputKind, SamplingParams
 from ...sequence import streamable_length
 
 
+def check_request(who: str, request_id, params, lora_request, priority, tokenization_kwargs) -> None:
+    """The refusals both engines give a new request (``who``: the method, for the message), before any of
+    it is queued: vLLM's arguments that have no counterpart here are accepted only at their neutral value."""
+    if not isinstance(request_id, str):
+        raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__}")
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"{who} takes SamplingParams, got {type(params).__name__} (pooling runs through "
+                                  "LLM.embed / encode)")
+    if lora_request is not None:
+        raise InvalidRequestError("lora_request is not supported: tidyrun has no LoRA adapters; pass None")
+    if priority != 0:
+        raise InvalidRequestError(f"priority={priority!r} is not supported: requests are scheduled first come, "
+                                  "first served (vLLM's default policy); pass 0")
+    if tokenization_kwargs:
+        raise InvalidRequestError(f"tokenization_kwargs={tokenization_kwargs!r} is not supported; tokenize the "
+                                  "prompt yourself and pass {'prompt_token_ids': [...]}")
+
+
 def checked(params: SamplingParams) -> SamplingParams:
     """A checked copy of a caller's (mutable, as vLLM's) params: what its view reads, after the caller's
     last changes; InvalidRequestError for bad ones, before the request is queued."""
