@@ -222,18 +222,23 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
                            "<admin key>' (the server's --admin-key, or its --api-key when no admin key is set)",
                            "authentication_error", code="invalid_api_key")
 
-    def check_template(chat_template: str | None, template_kwargs: dict | None) -> None:
-        """A request's own template (``chat_template``, or one slipped in through ``chat_template_kwargs``,
-        which override the named arguments) only on a trusting server; tools only as the tools field,
-        which is refused."""
-        kwargs = template_kwargs or {}
-        if (chat_template is not None or "chat_template" in kwargs) and not trust_request_chat_template:
+    def chat_ids(body, conversation: list[dict]) -> list[int]:
+        """The token ids of ``conversation`` rendered as ``body`` (chat or /tokenize) asks. A request's own
+        template (``chat_template``, or one slipped in through ``chat_template_kwargs``, which override the
+        named arguments) only on a trusting server; tools only as the tools field, which is refused."""
+        kwargs = body.chat_template_kwargs or {}
+        if (body.chat_template is not None or "chat_template" in kwargs) and not trust_request_chat_template:
             raise APIError(400, "chat_template: this server does not run templates sent with a request; start it "
                            "with --trust-request-chat-template to allow them", "invalid_request_error",
                            "chat_template")
         if "tools" in kwargs:
             raise APIError(400, "tools are not supported by tidyrun (chat_template_kwargs.tools)",
                            "invalid_request_error", "chat_template_kwargs")
+        return tokenizer.apply_chat_template(conversation, body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message,
+                                             chat_template=body.chat_template,
+                                             template_kwargs=body.chat_template_kwargs,
+                                             add_special_tokens=bool(body.add_special_tokens))
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -406,13 +411,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        check_template(body.chat_template, body.chat_template_kwargs)
-        ids = truncate(tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt,
-                                                     continue_final_message=body.continue_final_message,
-                                                     chat_template=body.chat_template,
-                                                     template_kwargs=body.chat_template_kwargs,
-                                                     add_special_tokens=bool(body.add_special_tokens)),
-                       body.truncate_prompt_tokens)
+        ids = truncate(chat_ids(body, body.conversation()), body.truncate_prompt_tokens)
         params = body.params(budget(len(ids), body.requested_max_tokens))
         (sub,) = await submit_all([(ids, params)], body.stream)
         choices = ChatChoices(token_id_text if body.return_tokens_as_token_ids else token_text, params.stop,
@@ -476,13 +475,7 @@ def create_app(loop: EngineLoop, served_model_name: str, api_key: str | None = N
         check_model(body.model)
         body.check()
         if body.messages is not None:
-            check_template(body.chat_template, body.chat_template_kwargs)
-            conversation = [m.as_template_message() for m in body.messages]
-            ids = tokenizer.apply_chat_template(conversation, body.add_generation_prompt,
-                                                continue_final_message=body.continue_final_message,
-                                                chat_template=body.chat_template,
-                                                template_kwargs=body.chat_template_kwargs,
-                                                add_special_tokens=bool(body.add_special_tokens))
+            ids = chat_ids(body, [m.as_template_message() for m in body.messages])
         else:
             ids = encode(body.prompt, body.add_special_tokens)
         metrics.count("/tokenize", 200)

@@ -270,19 +270,24 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Body):
+    """How a request's messages are rendered (the chat route's and /tokenize's): vLLM's chat extras, namely
+    variables the template reads (Qwen3's enable_thinking), the last (assistant) message left open for the
+    model to continue, and a template of the request's own (only on a server started with
+    --trust-request-chat-template, as in vLLM: a template is code the server runs)."""
+
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: bool = True
-    # vLLM's chat extras: variables the template reads (Qwen3's enable_thinking), the last (assistant) message
-    # left open for the model to continue, and a template of the request's own (only on a server started
-    # with --trust-request-chat-template, as in vLLM: a template is code the server runs)
-    chat_template_kwargs: dict[str, Any] | None = None
-    continue_final_message: bool = False
-    chat_template: str | None = None
     # OpenAI fields tidyrun cannot honour: refused unless "off" (see _refuse_unsupported)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
@@ -359,7 +364,7 @@ class EmbeddingRequest(_Body):
         return split_inputs(self.input, "input")
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_ChatTemplateFields):
     """vLLM's POST /tokenize: a text ``prompt`` (special tokens added by default), or chat ``messages``
     rendered with the chat template first (special tokens not added by default: the template writes them)."""
 
@@ -367,10 +372,6 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     def check(self) -> None:
