@@ -84,13 +84,18 @@ AsyncEngineArgs = dataclasses.make_dataclass(
 AsyncEngineArgs.__module__ = __name__
 
 
-def llm_kwargs(engine_args) -> dict:
-    """``LLM``'s keywords from an ``(Async)EngineArgs`` (what ``LLM(**...)`` takes of it)."""
+def llm_from_engine_args(engine_args, stat_loggers, owner: str) -> LLM:
+    """The ``LLM`` an ``(Async)EngineArgs`` describes (every field an ``LLM`` keyword), for ``owner``'s
+    ``from_engine_args``. Custom ``stat_loggers`` are refused: there are no pluggable loggers to call
+    (``LLM.get_metrics()`` and the server's /metrics read the engine's counters)."""
     from .errors import InvalidRequestError
 
+    if stat_loggers:
+        raise InvalidRequestError(f"{owner}.from_engine_args(stat_loggers=...) is not supported: tidyrun has no "
+                                  "pluggable stat loggers; read get_metrics() or the server's /metrics")
     if not isinstance(engine_args, EngineArgs):
         raise InvalidRequestError(f"from_engine_args needs an EngineArgs, got {type(engine_args).__name__}")
-    return {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)}
+    return LLM(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):

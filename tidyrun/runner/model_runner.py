@@ -650,6 +650,11 @@ class ModelRunner:
         return any(s.params.min_tokens and s.below_min_tokens() and stop_token_bans(s, self.eos_token_ids)
                    for s in seqs)
 
+    def _send_mask(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """A step's host grammar bitmask on the device: through the pinned staging of ``StepInputs``
+        (``send_mask``: no wait for the step launched before), or a plain copy where there is none."""
+        return bitmask.to(self.device) if self.inputs is None else self.inputs.send_mask(bitmask)
+
     def _masked_race(self, logits: torch.Tensor, greedy_logprob: torch.Tensor | None, seqs: list[Sequence],
                      masks: PendingMasks, launched: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens (and, when some sequence asked, (token, raw logprob, rank) rows for all) of a
@@ -674,7 +679,7 @@ class ModelRunner:
             full[grammar_rows] = bitmask.numpy()
             bitmask = torch.from_numpy(full)
         want = any(s.params.logprobs is not None for s in seqs)
-        bitmask = bitmask.to(logits.device) if self.inputs is None else self.inputs.send_mask(bitmask)
+        bitmask = self._send_mask(bitmask)
         tokens, records = self.ops.race_sample(logits, noise, scale, want, bitmask)
         if records is not None:  # plain greedy rows: as in a race without masks
             self._argmax_logprobs(records, logits, greedy_logprob,
@@ -760,8 +765,7 @@ class ModelRunner:
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
         steps = draw_steps(seqs, launched)
         race = self.sampler.draw_race(logits, params, generators, steps)  # needs no logits: drawn while masks fill
-        send_mask = None if self.inputs is None else self.inputs.send_mask
-        process_logits(logits, seqs, self.eos_token_ids, masks, send_mask)
+        process_logits(logits, seqs, self.eos_token_ids, masks, self._send_mask)
         tokens = self.sampler(logits, params, generators, race, steps)
         if not lp:
             return tokens, None

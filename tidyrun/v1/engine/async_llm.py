@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterable
 
-from ...arg_utils import llm_kwargs
+from ...arg_utils import llm_from_engine_args
 from ...engine import LLM
 from ...errors import EngineShutdownError, InvalidRequestError
 from ...outputs import RequestOutput
@@ -41,13 +41,10 @@ class AsyncLLM:
         """An engine built from ``(Async)EngineArgs`` (every field an ``LLM`` keyword), its loop started.
         ``usage_context`` and vLLM's process options have nothing to choose here; custom ``stat_loggers``
         and a loop left unstarted are refused."""
-        if stat_loggers:
-            raise InvalidRequestError("AsyncLLM.from_engine_args(stat_loggers=...) is not supported: tidyrun has no "
-                                      "pluggable stat loggers; read get_metrics() or the server's /metrics")
         if not start_engine_loop:
             raise InvalidRequestError("start_engine_loop=False is not supported: the engine thread starts with the "
                                       "engine")
-        return cls(LLM(**llm_kwargs(engine_args)))
+        return cls(llm_from_engine_args(engine_args, stat_loggers, "AsyncLLM"))
 
     # -- requests ----------------------------------------------------------------------
 

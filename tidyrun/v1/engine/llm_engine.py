@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ...arg_utils import llm_kwargs
+from ...arg_utils import llm_from_engine_args
 from ...engine import LLM
 from ...errors import InvalidRequestError
 from ...outputs import RequestOutput
@@ -38,10 +38,7 @@ class LLMEngine:
         """An engine built from ``EngineArgs`` (every field an ``LLM`` keyword). ``usage_context`` and
         ``enable_multiprocessing`` are vLLM's process plumbing, with nothing to choose here; custom
         ``stat_loggers`` are refused (``LLM.get_metrics()`` reads the engine's counters)."""
-        if stat_loggers:
-            raise InvalidRequestError("LLMEngine.from_engine_args(stat_loggers=...) is not supported: tidyrun has no "
-                                      "pluggable stat loggers; read LLM.get_metrics() or the server's /metrics")
-        return cls(LLM(**llm_kwargs(engine_args)))
+        return cls(llm_from_engine_args(engine_args, stat_loggers, "LLMEngine"))
 
     # -- requests ----------------------------------------------------------------------
 
