@@ -10,9 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_prologue
+
 
 @triton.jit
-def _argmax_slices_kernel(x_ptr, val_ptr, idx_ptr, sum_ptr, V, stride_x, SLICES, BLOCK: tl.constexpr):
+def _argmax_slices_kernel(x_ptr, val_ptr, idx_ptr, sum_ptr, V, stride_x, SLICES, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     cols = part * BLOCK + tl.arange(0, BLOCK)
@@ -24,7 +28,8 @@ def _argmax_slices_kernel(x_ptr, val_ptr, idx_ptr, sum_ptr, V, stride_x, SLICES,
 
 
 @triton.jit
-def _argmax_final_kernel(val_ptr, idx_ptr, sum_ptr, out_ptr, lp_ptr, SLICES, BLOCK: tl.constexpr):
+def _argmax_final_kernel(val_ptr, idx_ptr, sum_ptr, out_ptr, lp_ptr, SLICES, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     parts = tl.arange(0, BLOCK)
     vals = tl.load(val_ptr + row * SLICES + parts, mask=parts < SLICES, other=-float("inf"))
@@ -37,12 +42,12 @@ def _argmax_final_kernel(val_ptr, idx_ptr, sum_ptr, out_ptr, lp_ptr, SLICES, BLO
     tl.store(lp_ptr + row, -tl.log(total))
 
 
-def argmax_logprob_rows(x: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_logprob_rows(x: torch.Tensor, block: int = 4096, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Index of each row's largest value (the first one on ties, like torch.argmax) for x [M, V], int64 [M],
     and its log-probability under softmax(x), float32 [M]: one pass over the logits gives both, so a greedy
     step's logprobs cost nothing beyond its argmax (and are captured with it in the decode graphs).
 
-    Rows must be free of NaN (logits are).
+    Rows must be free of NaN (logits are). ``pdl``: launched with programmatic dependent launch (``kernels.pdl``).
     """
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
@@ -53,11 +58,13 @@ def argmax_logprob_rows(x: torch.Tensor, block: int = 4096) -> tuple[torch.Tenso
     vals = torch.empty(rows, slices, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, slices, dtype=torch.int32, device=x.device)
     sums = torch.empty(rows, slices, dtype=torch.float32, device=x.device)
-    _argmax_slices_kernel[(rows, slices)](x, vals, idx, sums, vocab, x.stride(0), slices, BLOCK=block, num_warps=8)
-    _argmax_final_kernel[(rows,)](vals, idx, sums, out, logprob, slices, BLOCK=max(16, triton.next_power_of_2(slices)))
+    _argmax_slices_kernel[(rows, slices)](x, vals, idx, sums, vocab, x.stride(0), slices, BLOCK=block, PDL=pdl,
+                                          num_warps=8, **pdl_launch(pdl))
+    _argmax_final_kernel[(rows,)](vals, idx, sums, out, logprob, slices,
+                                  BLOCK=max(16, triton.next_power_of_2(slices)), PDL=pdl, **pdl_launch(pdl))
     return out, logprob
 
 
-def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, block: int = 4096, pdl: bool = False) -> torch.Tensor:
     """Index of each row's largest value, int64 [M] (see ``argmax_logprob_rows``)."""
-    return argmax_logprob_rows(x, block)[0]
+    return argmax_logprob_rows(x, block, pdl)[0]

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_prologue
+
 # Log2(e): the kernel works in base 2 (exp2 is one instruction).
 _LOG2E = 1.4426950408889634
 # The window of a layer without one: wider than any context, so every causal key is visible.
@@ -71,8 +73,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    SPLITS: tl.constexpr, part_acc_ptr, part_ml_ptr,
+    SPLITS: tl.constexpr, part_acc_ptr, part_ml_ptr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,7 +137,8 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_heads, stride_o_tok, stride_o_head,
-                           SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                           SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS)
@@ -153,7 +157,7 @@ def _combine_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_heads, stride
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     tile_seq: torch.Tensor, tile_q0: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, block_q: int,
-                    block_m: int, splits: int = 1, window: int | None = None) -> torch.Tensor:
+                    block_m: int, splits: int = 1, window: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Write attention of ``q`` [T, heads, D] over the paged cache into ``out`` [T, heads, D].
 
     k_cache/v_cache: [num_blocks, block_size, kv_heads, D] (any strides over
@@ -163,7 +167,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sequence's keys among that many programs and combines their partial
     softmaxes in a second kernel: a decode batch too small to fill the GPU
     with one program per (sequence, KV head) still reads its keys in parallel.
-    ``window``: a sliding-window layer's width (None: the whole context).
+    ``window``: a sliding-window layer's width (None: the whole context). ``pdl``: both kernels launched
+    with programmatic dependent launch (``kernels.pdl``).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, kv_block = k_cache.shape[2], k_cache.shape[1]
@@ -189,9 +194,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1", SPLITS=splits, part_acc_ptr=part_acc,
-        part_ml_ptr=part_ml, num_warps=4, num_stages=2,
+        part_ml_ptr=part_ml, PDL=pdl, num_warps=4, num_stages=2, **pdl_launch(pdl),
     )
     if splits > 1 and tokens:
         _combine_splits_kernel[(tokens, num_heads)](part_acc, part_ml, out, num_heads, out.stride(0), out.stride(1),
-                                                    SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=1)
+                                                    SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl,
+                                                    num_warps=1, **pdl_launch(pdl))
     return out

@@ -17,10 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_prologue
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -37,20 +40,22 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, ep
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(x + residual) * weight, x + residual)`` for contiguous [T, hidden] inputs."""
+                 eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual) * weight, x + residual)`` for contiguous [T, hidden] inputs. ``pdl``: launched
+    with programmatic dependent launch (``kernels.pdl``), as every kernel here may be."""
     rows, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     if rows:
         _add_rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, res_out, cols, eps,
                                       HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
-                                      num_warps=4 if cols <= 4096 else 8)
+                                      PDL=pdl, num_warps=4 if cols <= 4096 else 8, **pdl_launch(pdl))
     return out, res_out
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,14 +65,15 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` for a contiguous [T, 2 * I] tensor holding gate then up."""
     rows, width = gate_up.shape
     n = width // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, PDL=pdl, num_warps=4,
+                                                        **pdl_launch(pdl))
     return out
 
 
@@ -75,7 +81,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                        stride_tok, stride_cos, stride_c_blk, stride_c_slot, stride_c_head,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_BLOCK: tl.constexpr, STORE: tl.constexpr):
+                       HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_BLOCK: tl.constexpr, STORE: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0..NUM_HEADS-1: query heads; then key heads
     pos = tl.load(pos_ptr + tok)
@@ -108,7 +116,7 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
 
 def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int, slot_mapping: torch.Tensor | None,
-                   k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
+                   k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, pdl: bool = False) -> None:
     """Rotate the query and key heads of ``qkv`` [T, (H + 2 KV) * D] in place and, given a
     slot mapping, write the rotated keys and the values into the paged cache
     ([num_blocks, block_size, kv_heads, D]; a negative slot is skipped).
@@ -126,7 +134,7 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
         qkv.stride(0), cos.stride(0), *strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), KV_BLOCK=k_cache.shape[1] if store else 1,
-        STORE=store, num_warps=1,
+        STORE=store, PDL=pdl, num_warps=1, **pdl_launch(pdl),
     )
 
 

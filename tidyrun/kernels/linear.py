@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_prologue
+
 FEW_ROWS = 16  # up to this many rows a product is split over programs by segment (the smallest dot tile)
 MANY_ROW_BLOCK_K = 64  # the many-row launch's reduction step; every plan's k_seg is a multiple of it
 
@@ -87,7 +89,9 @@ def _epilogue(acc, acc_up, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS: tl.constexpr,
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x,
                    K_SEG: tl.constexpr, SEGMENTS: tl.constexpr, SPLIT_GRID: tl.constexpr,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, FINISH_IN_KERNEL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_K: tl.constexpr, FINISH_IN_KERNEL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_prologue(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,7 +127,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s
 
 @triton.jit
 def _sum_segments_kernel(part_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, SEGMENTS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -137,7 +142,7 @@ def _sum_segments_kernel(part_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan,
            counters: torch.Tensor | None = None, gated: bool = False, tile: ManyRowTile | None = None,
-           split_grid: bool | None = None) -> torch.Tensor:
+           split_grid: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M, K] (last dim contiguous) and a contiguous weight [N, K].
 
     ``gated``: the weight is [2I, K], gate rows then up rows, and the result is
@@ -149,6 +154,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
     kernel (one launch fewer, the same bits). The kernel leaves it zeroed.
     ``tile``: the many-row launch's tile (default ``many_row_tile``); ``split_grid``
     (tests, benchmarks): force the few-row (True, at most 16 rows) or many-row (False) launch.
+    ``pdl``: launch with programmatic dependent launch (``kernels.pdl``; Hopper and later).
     """
     rows = x.shape[0]
     n, k = weight.shape
@@ -177,7 +183,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
         _linear_kernel[grid](x, weight, b, out, out, out, rows, n, k, x.stride(0), K_SEG=plan.k_seg,
                              SEGMENTS=segments, SPLIT_GRID=False, HAS_BIAS=bias is not None, GATED=gated,
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FINISH_IN_KERNEL=False,
-                             DOT_PRECISION=dot, num_warps=warps, num_stages=stages)
+                             DOT_PRECISION=dot, PDL=pdl, num_warps=warps, num_stages=stages, **pdl_launch(pdl))
         return out
     tiles = triton.cdiv(n, plan.block_n)
     finish = counters is not None and counters.numel() >= tiles
@@ -186,11 +192,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
                                          x.stride(0), K_SEG=plan.k_seg, SEGMENTS=segments, SPLIT_GRID=True,
                                          HAS_BIAS=bias is not None, GATED=False, BLOCK_M=FEW_ROWS,
                                          BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FINISH_IN_KERNEL=finish,
-                                         DOT_PRECISION=dot, num_warps=4, num_stages=plan.stages)
+                                         DOT_PRECISION=dot, PDL=pdl, num_warps=4, num_stages=plan.stages,
+                                         **pdl_launch(pdl))
     if not finish:
         block = 1024
         _sum_segments_kernel[(rows, triton.cdiv(n, block))](part, b, out, rows, n, HAS_BIAS=bias is not None,
-                                                            SEGMENTS=segments, BLOCK=block)
+                                                            SEGMENTS=segments, BLOCK=block, PDL=pdl,
+                                                            **pdl_launch(pdl))
     return out
 
 

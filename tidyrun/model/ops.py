@@ -116,13 +116,16 @@ class TritonOps(TorchOps):
     the step's arrival counters from it and finish their reductions in-kernel.
     ``batch_invariant``: every product runs ``kernels.linear`` whatever its
     rows (cuBLAS's algorithm, and so a row's bits, depend on the row count).
+    ``pdl``: the layer's kernels (norms, products, RoPE, attention, argmax) are
+    launched with programmatic dependent launch (``kernels.pdl``: Hopper and
+    later), so each one's launch overlaps the end of the kernel before.
     """
 
     name = "triton"
     keyed_race = True  # race_sample also takes each row's key and draws its noise in the kernel
 
     def __init__(self, num_sms: int, ctx: ForwardContext | None = None, float32_kernels: bool = False,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, pdl: bool = False) -> None:
         from ..kernels import argmax, attention, fused, linear, moe, race  # the CPU path never needs Triton
 
         self._attn = attention
@@ -136,6 +139,7 @@ class TritonOps(TorchOps):
         self._float32_kernels = float32_kernels  # float32 products stay on cuBLAS unless asked (interpreter tests)
         # Every product through the kernel, for any number of rows: one reduction order per weight.
         self._batch_invariant = batch_invariant
+        self.pdl = pdl
         # (out, in features, gated) -> LinearPlan, or None where cuBLAS takes the product
         self._plans: dict[tuple[int, int, bool], object] = {}
 
@@ -163,22 +167,22 @@ class TritonOps(TorchOps):
         plan = self._plan(x, weight)
         if plan is None:
             return F.linear(x, weight, bias)
-        return self._linear.linear(x.contiguous(), weight.contiguous(), bias, plan, self._counters())
+        return self._linear.linear(x.contiguous(), weight.contiguous(), bias, plan, self._counters(), pdl=self.pdl)
 
     def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         plan = self._plan(x, weight, gated=True)
         if plan is None:
             return super().linear_silu_mul(x, weight)
-        return self._linear.linear(x.contiguous(), weight.contiguous(), None, plan, gated=True)
+        return self._linear.linear(x.contiguous(), weight.contiguous(), None, plan, gated=True, pdl=self.pdl)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return self._argmax.argmax_rows(logits)
+        return self._argmax.argmax_rows(logits, pdl=self.pdl)
 
     def take_pending(self, input_ids: torch.Tensor, pending: torch.Tensor) -> None:
         self._fused.take_pending(input_ids, pending)  # one launch instead of torch's six
 
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._argmax.argmax_logprob_rows(logits)
+        return self._argmax.argmax_logprob_rows(logits, pdl=self.pdl)
 
     def race_sample(self, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor, want_logprob: bool,
                     bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -186,10 +190,10 @@ class TritonOps(TorchOps):
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._fused.add_rms_norm(x, residual, weight, eps)
+        return self._fused.add_rms_norm(x, residual, weight, eps, self.pdl)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._fused.silu_mul(gate_up)
+        return self._fused.silu_mul(gate_up, self.pdl)
 
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor) -> torch.Tensor:
@@ -204,7 +208,7 @@ class TritonOps(TorchOps):
         cos, sin, positions = rope
         k_cache, v_cache = kv if kv is not None else (None, None)
         self._fused.rope_and_store(qkv, cos, sin, positions, *shape, meta.slot_mapping if kv is not None else None,
-                                   k_cache, v_cache)  # in place: the split below sees rotated q and k
+                                   k_cache, v_cache, self.pdl)  # in place: the split below sees rotated q and k
         return split_heads(qkv, shape)
 
     def attention(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -212,5 +216,5 @@ class TritonOps(TorchOps):
         out = torch.empty_like(q)
         return self._attn.paged_attention(q, kv[0], kv[1], out, meta.tile_seq, meta.tile_q0, meta.query_start_loc,
                                           meta.seq_lens, meta.block_tables, scale, meta.block_q, meta.block_m,
-                                          meta.splits, window)
+                                          meta.splits, window, self.pdl)
 

@@ -39,3 +39,9 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch (``kernels.pdl``): compute
+    capability 9.0 (Hopper) or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -57,7 +57,7 @@ from ..spec_decode import accept_greedy, verify_drafts
 from ..structured import PendingMasks
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
 from .cuda_graphs import CudaGraphManager, default_capture_sizes
-from .device import resolve_device, resolve_dtype, synchronize
+from .device import pdl_supported, resolve_device, resolve_dtype, synchronize
 from .input_batch import HostBatch, HostTokens, InputBatch, PromptRows, StepInputs, build_reference_batch, host_batch
 from .kv_plan import plan_kv_cache
 from .lifecycle import SLEEP_TAGS, WEIGHTS, Component, Lifecycle
@@ -222,7 +222,7 @@ class ModelRunner:
         if kernels == "torch":
             return TorchOps()
         return TritonOps(torch.cuda.get_device_properties(self.device).multi_processor_count, self.ctx,
-                         batch_invariant=config.batch_invariant)
+                         batch_invariant=config.batch_invariant, pdl=pdl_supported(self.device))
 
     def _graph_summary(self) -> str:
         graphs = self.graphs
