@@ -301,7 +301,7 @@ def test_add_special_tokens_defaults_per_route_as_in_vllm(tmp_path):
 
     from tidyrun import LLM
     from tidyrun.server.app import create_app
-    from tidyrun.server.engine_loop import EngineLoop
+    from tidyrun.engine_loop import EngineLoop
     from tidyrun.synthetic import write_random_checkpoint
 
     folder = write_random_checkpoint(str(tmp_path / "tiny"), "llama-tiny")

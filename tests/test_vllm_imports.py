@@ -59,3 +59,18 @@ def test_resolve_hf_chat_template(llm):
     assert resolve_hf_chat_template(tokenizer=tok, chat_template=None, tools=None, model_config=object(),
                                     trust_remote_code=False) == tok.chat_template
     assert resolve_hf_chat_template(object(), None) is None
+
+
+def test_the_engine_imports_without_the_server_stack():
+    """``import tidyrun`` (LLM, AsyncLLM, LLMEngine) needs no fastapi: an offline or RL process, or a GPU box with
+    only torch and transformers, never serves HTTP. AsyncLLM's engine thread once lived in the server package,
+    whose import pulls in fastapi."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['fastapi'] = sys.modules['uvicorn'] = None\n"
+            "import tidyrun; from tidyrun import LLM, AsyncLLM, LLMEngine, SamplingParams\n"
+            "from tidyrun.v1.engine.async_llm import AsyncLLM as A; assert A is AsyncLLM\n"
+            "assert 'fastapi' not in [m for m in sys.modules if sys.modules[m] is not None]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

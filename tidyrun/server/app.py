@@ -29,7 +29,7 @@ from ..errors import (EngineShutdownError, EngineSleepingError, InvalidRequestEr
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .choices import ChatChoices, CompletionChoices
-from .engine_loop import EngineLoop, Submission
+from ..engine_loop import EngineLoop, Submission
 from .logprobs_format import TokenIdText, TokenText
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,

@@ -20,7 +20,7 @@ from ...engine import LLM
 from ...errors import EngineShutdownError, InvalidRequestError
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
-from ...server.engine_loop import EngineLoop, Submission
+from ...engine_loop import EngineLoop, Submission
 from .output_kind import OutputView, check_request, checked
 
 

@@ -1,4 +1,5 @@
-"""EngineLoop: one thread owns the LLM; HTTP handlers talk to it through a command queue.
+"""EngineLoop: one thread owns the LLM; its asyncio readers (HTTP handlers, AsyncLLM) talk to it through
+a command queue.
 
 The LLM is not thread-safe, and batching needs one place that sees every
 request: the loop thread drains all pending commands (new requests, aborts,
@@ -17,11 +18,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..engine import LLM
-from ..errors import EngineShutdownError
-from ..intake import PromptType
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from .engine import LLM
+from .errors import EngineShutdownError
+from .intake import PromptType
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
 
 logger = logging.getLogger("tidyrun.server")
 
