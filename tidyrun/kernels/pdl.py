@@ -1,12 +1,15 @@
-"""Programmatic dependent launch (PDL, Hopper and later): a kernel's programs are placed on the SMs while the
-kernel before it in the stream still runs, and wait there for it.
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel's launch overlaps the end of the one before.
 
 Why: a decode step is a chain of ~150 short kernels (norm, products, RoPE, attention, ...); between two of them
-the GPU drains the first grid, flushes its writes and only then launches and places the next one's programs.
-Profiled on the H200, batch 1: ~86 us of such gaps inside the graphs of a ~1.1 ms step (docs/BENCHMARKS.md).
-With PDL the next grid is launched as soon as every program of the current one has started, and its programs
-wait at ``griddepcontrol.wait`` until the current grid has finished and its writes are visible: the launch
-and placement overlap the tail of the kernel before. CUDA graphs keep the overlap (programmatic edges).
+the GPU drains the first grid, flushes its writes and only then launches the next one. Profiled on the H200,
+batch 1: ~86 us of such gaps inside the graphs of a ~1.1 ms step (docs/BENCHMARKS.md). Launched with PDL, the
+next grid starts as each program of the current one exits, and its programs wait at ``griddepcontrol.wait``
+until the current grid has finished and its writes are visible. CUDA graphs keep it (programmatic edges).
+
+Measured on the H100 (docs/BENCHMARKS.md, trees alternated): the batch-1 decode step 1.28 against 1.30-1.31 ms,
+16 and 64 rows unchanged. An explicit early trigger (``gdc_launch_dependents`` as each program starts, so the
+next grid's programs sit waiting beside the running ones) gained no more at batch 1 and cost 5% at 16 rows, so
+the trigger is left implicit (a program's exit).
 
 Rule that keeps it correct: a kernel launched with ``launch_pdl`` calls ``pdl_prologue`` before it touches
 memory, so it reads nothing and overwrites nothing before the kernel ahead of it is complete. That wait is
@@ -21,10 +24,9 @@ import triton.language as tl
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    """Wait for the kernel ahead (PDL), then let the next one be launched: its programs only wait here."""
+    """Wait until the kernel ahead has finished and its writes are visible (PDL); nothing without it."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 def pdl_launch(pdl: bool) -> dict:
