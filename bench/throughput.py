@@ -13,8 +13,12 @@ median of ``--decode-steps`` steps (``async`` mode: their mean, the loop timed w
 overlaps the launch of the next), against the floor (weight bytes + KV bytes read
 per step) / ``--peak-bw``; for a mixture of experts the weight bytes count only the
 experts routed to (``unrouted_expert_bytes``). With both parts, an idealised time for (a) from
-the measured prefill rate and step times (``ideal_seconds``) is printed next to the measured one. Each engine runs alone on the device: tidyrun engines
-are shut down before the next starts, transformers runs last.
+the measured prefill rate and step times (``ideal_seconds``) is printed next to the measured one.
+(c) The compiled peer of (b): transformers' own fast decode loop on the same checkpoint (a ``StaticCache``
+and ``torch.compile(mode="reduce-overhead", fullgraph=True)`` over one decode step, the recipe of
+transformers' inference-optimization guide), greedy, B = ``--compiled-batch-sizes``, the same prompt length:
+median of per-step times (each synchronized) and the block mean of the steps timed whole. Each engine runs
+alone on the device: tidyrun engines are shut down before the next starts, transformers runs last.
 
 The random-weight checkpoint (tidyrun.synthetic) is written to
 /tmp/tidyrun-bench/<shape> if missing. CPU smoke test:
@@ -163,6 +167,58 @@ def hf_throughput(ckpt: str, args: argparse.Namespace, work: Workload, warm: Wor
                 preemptions=0)
 
 
+def hf_compiled_decode(ckpt: str, args: argparse.Namespace) -> list[dict]:
+    """(c): transformers' compiled static-cache decode step at each of ``--compiled-batch-sizes``."""
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype),
+                                                 attn_implementation="sdpa").to(args.device).eval()
+
+    def decode_one(token, position, cache):
+        logits = model(token, position_ids=position[None].expand(token.shape[0], 1), cache_position=position,
+                       past_key_values=cache, return_dict=False, use_cache=True)[0]
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+    # dynamic=False: each batch size compiles (and captures) its own static step, as the guide's loop does
+    step = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    plen, k = args.decode_prompt_len, args.decode_steps
+    rows, rng = [], random.Random(2)
+    for b in args.compiled_batch_sizes:
+        cache = StaticCache(config=model.config, max_cache_len=plen + k + 16)
+        prompt = torch.tensor([[rng.randrange(10, model.config.vocab_size - 10) for _ in range(plen)]
+                               for _ in range(b)], device=args.device)
+        with torch.inference_mode():
+            logits = model(prompt, cache_position=torch.arange(plen, device=args.device), past_key_values=cache,
+                           return_dict=False, use_cache=True)[0]
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            pos = plen
+            for _ in range(5):  # compile and capture (reduce-overhead's CUDA graph takes a few calls)
+                token = step(token.clone(), torch.tensor([pos], device=args.device), cache)
+                pos += 1
+            times = []
+            for _ in range(k // 2):  # each step alone: synchronized before and after
+                sync(args.device)
+                t0 = time.perf_counter()
+                token = step(token.clone(), torch.tensor([pos], device=args.device), cache)
+                sync(args.device)
+                times.append(time.perf_counter() - t0)
+                pos += 1
+            t0 = time.perf_counter()
+            for _ in range(k - k // 2):  # the steps timed whole, as a generation loop runs them
+                token = step(token.clone(), torch.tensor([pos], device=args.device), cache)
+                pos += 1
+            sync(args.device)
+            block = (time.perf_counter() - t0) / (k - k // 2)
+        rows.append(dict(engine='transformers (StaticCache + torch.compile "reduce-overhead")', batch=b,
+                         median_step_ms=statistics.median(times) * 1e3, block_mean_step_ms=block * 1e3,
+                         tok_s=b / statistics.median(times)))
+    del model, step
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
+
+
 def unrouted_expert_bytes(mc, batch: int, elem: int) -> int:
     """Expert weight bytes a decode step of ``batch`` tokens need not read: for a mixture of experts, the
     experts no token chose, in expectation under uniform routing (an expert escapes one token with
@@ -308,6 +364,9 @@ def main() -> None:
                     help="matmul rate of (a)'s prefill floor, FLOP/s (the H200's measured bf16 rate)")
     ap.add_argument("--rounds", type=int, default=2, help="run (a) this many times per engine and report the last: "
                     "on a fresh machine the first also compiles Triton kernels (H100: 7.05 s against 4.17 s after)")
+    ap.add_argument("--compiled-batch-sizes", type=int, nargs="+", default=[1, 8],
+                    help="(c): batch sizes of transformers' compiled static-cache decode step")
+    ap.add_argument("--skip-compiled", action="store_true", help="skip (c), transformers' compiled decode step")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
@@ -325,6 +384,7 @@ def main() -> None:
         decode += [row for mode in args.modes for row in decode_steps(ckpt, args, mode)]
     if not args.skip_throughput and not args.skip_hf:
         throughput.append(hf_throughput(ckpt, args, work, warm))
+    compiled = [] if args.skip_compiled or args.skip_decode else hf_compiled_decode(ckpt, args)
 
     import transformers
 
@@ -367,10 +427,21 @@ def main() -> None:
             print(f"| {r['mode']} | {r['batch']} | {r['median_step_ms']:.2f} | {r['mean_step_ms']:.2f} "
                   f"| {r['tok_s']:.0f} | {r['mean_context']:.0f} | {r['weight_bytes'] / 1e9:.2f} "
                   f"| {r['kv_bytes_per_step'] / 1e9:.3f} | {r['floor_ms']:.2f} | {r['floor_fraction']:.0%} |")
+    if compiled:
+        print(f"\n(c) the compiled peer: greedy decode step, prompt {args.decode_prompt_len}, the same checkpoint")
+        print("| engine | batch | median step ms | block mean ms | tidyrun step ms (b), same batch | tidyrun speed-up |")
+        print("|---|---|---|---|---|---|")
+        ours = {r["batch"]: r["median_step_ms"] for r in decode if r["mode"] == args.modes[0]}
+        for r in compiled:
+            mine = ours.get(r["batch"])
+            versus = f"{mine:.2f} | {r['median_step_ms'] / mine:.2f}x" if mine else "- | -"
+            print(f"| {r['engine']} | {r['batch']} | {r['median_step_ms']:.2f} | {r['block_mean_step_ms']:.2f} "
+                  f"| {versus} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(shape=args.shape, dtype=args.dtype, device=device, torch=torch.__version__,
                        transformers=transformers.__version__, args=vars(args), throughput=throughput, decode=decode,
+                       compiled=compiled,
                        ideal_s=ideal_seconds(work, [r for r in decode if r["mode"] == args.modes[0]])),
                   f, indent=1)
 
