@@ -88,6 +88,22 @@ def test_kernels_under_interpreter(scripts):
     assert "kernels ok" in finished(scripts, "kernels", 600)
 
 
+# Decode steps split each sequence's keys over programs until ~16 run (the engine aims at 256 on a GPU: 16-way
+# splits of a few keys each, most of them empty). The interpreter runs programs one by one, so the engine's
+# target made attention more than half of each script's time; two-way splits still run the split path and its
+# combine, and the kernel script checks 4-way splits against the reference (both scripts below).
+FEW_SPLITS = """
+import tidyrun.runner.input_batch as input_batch
+_tile_splits, splits_used = input_batch.tile_splits, set()
+
+def few_splits(seqs, heads, block_q, invariant=False):
+    splits = _tile_splits(seqs, heads, block_q, invariant, target_programs=16)
+    splits_used.add(splits)
+    return splits
+
+input_batch.tile_splits = few_splits
+"""
+
 # CUDA graphs cannot be captured on the CPU: each "graph" runs eagerly on the graph's own input layout and
 # metadata, which checks everything a replay reads (both scripts below).
 GRAPH_EMULATION = """
@@ -113,7 +129,7 @@ from tidyrun.model.ops import TritonOps
 from tidyrun.runner.cuda_graphs import CudaGraphManager
 from tidyrun.runner.model_runner import ModelRunner
 from tidyrun.synthetic import write_random_checkpoint
-
+""" + FEW_SPLITS + """
 ckpt = write_random_checkpoint(sys.argv[1], "llama-tiny", device="cpu")
 shared = "the quick brown fox jumps over the lazy dog " * 3
 prompts = [shared + "and runs", shared + "and sleeps", "a", "def main():\\n    print('hello world')\\n" * 2]
@@ -146,6 +162,7 @@ CudaGraphManager.replay = lambda self, key: replays.append(key) or real_replay(s
 assert run()[0] == reference, "graph layout (decode) differs"
 assert run(speculative=spec)[0] == reference, "graph layout (draft verification) differs"
 assert any(q == 1 for _, q in replays) and any(q == 4 for _, q in replays), replays
+assert max(splits_used) > 1, splits_used  # the split path and its combine ran
 print("engine ok")
 """
 
@@ -162,7 +179,7 @@ from tidyrun.model.ops import TritonOps
 from tidyrun.runner.cuda_graphs import CudaGraphManager
 from tidyrun.runner.model_runner import ModelRunner
 from tidyrun.synthetic import write_random_checkpoint
-
+""" + FEW_SPLITS + """
 ckpt = write_random_checkpoint(sys.argv[1], "llama-tiny", device="cpu")
 prompts = ["the quick brown fox jumps over the lazy dog " * 3 + "and runs", "a", "def main():\\n    print('hi')\\n" * 2]
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 4, 7)]
@@ -208,6 +225,7 @@ assert len(logprobs) == len(synced_logprobs) == len(reference_logprobs) == 16, l
 assert max(abs(a - b) for a, b in zip(logprobs, synced_logprobs)) <= 1e-4, (logprobs, synced_logprobs)
 assert sum(launched) > 10, launched  # steps ran ahead, feeding each other on the device
 assert sum(deferred) >= 5, deferred  # the penalised steps were sampled after booking
+assert max(splits_used) > 1, splits_used  # the split path and its combine ran
 print("async ok")
 """
 
