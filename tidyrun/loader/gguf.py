@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp) -> ModelConfig + HF-named float weights + tokenizer.
 
-Parsing and dequantisation are the ``gguf`` package's; this module only maps
-llama.cpp's names and layouts onto the Hugging Face convention the model uses.
+Dequantisation is the ``gguf`` package's, the header is read by ``gguf_header`` (seconds faster than
+gguf's reader); this module maps llama.cpp's names and layouts onto the Hugging Face convention the model uses.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from ..config import ModelConfig, RopeScaling
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..tokenizer import Tokenizer
+from .gguf_header import GGUFHeader
 
 # GGUF architecture name -> tidyrun architecture. Mistral GGUFs say "llama".
 _ARCHITECTURES = MappingProxyType({"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
@@ -54,22 +55,20 @@ _GLOBAL_NAMES = MappingProxyType({
 })
 
 
-def _open_reader(path: str):
-    import gguf
-
+def _open_reader(path: str) -> GGUFHeader:
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, struct/numpy errors, IndexError...
+        return GGUFHeader(path)
+    except Exception as exc:  # ValueError, struct/numpy errors, UnicodeDecodeError...
         raise ModelLoadError(f"cannot read GGUF file {path!r}: {type(exc).__name__}: {exc}") from exc
 
 
-def _field(reader, key: str, default=None, required: bool = True):
-    field = reader.fields.get(key)
-    if field is None:
+def _field(reader: GGUFHeader, key: str, default=None, required: bool = True):
+    value = reader.fields.get(key)
+    if value is None:
         if required and default is None:
             raise ModelLoadError(f"GGUF file {reader.path!r} lacks metadata key {key!r}")
         return default
-    return field.contents()
+    return value
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -83,8 +82,7 @@ class GGUFSource:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        # Parsing the header (tokenizer arrays included) takes seconds; keep the reader, a
-        # read-only memory map of host memory, for every later weight read.
+        # Keep the header: its read-only memory map of the file serves every later weight read.
         self._reader = _open_reader(path)
         self.config = self._read_config(self._reader)
         if "rope_freqs.weight" in {t.name for t in self._reader.tensors}:
@@ -93,7 +91,7 @@ class GGUFSource:
                 "load the Hugging Face folder of this model instead"
             )
 
-    def _read_config(self, reader) -> ModelConfig:
+    def _read_config(self, reader: GGUFHeader) -> ModelConfig:
         gguf_arch = _field(reader, "general.architecture")
         if gguf_arch not in _ARCHITECTURES:
             raise UnsupportedModelError(
@@ -104,7 +102,7 @@ class GGUFSource:
         hidden = int(_field(reader, f"{a}.embedding_length"))
         heads = int(_field(reader, f"{a}.attention.head_count"))
         tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = _field(reader, f"{a}.vocab_size", default=len(tokens.data) if tokens else None)
+        vocab = _field(reader, f"{a}.vocab_size", default=len(tokens) if tokens else None)
         scaling = None
         scaling_type = _field(reader, f"{a}.rope.scaling.type", required=False)
         if scaling_type not in (None, "none"):
