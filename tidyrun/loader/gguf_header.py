@@ -11,6 +11,7 @@ so ``gguf.quants.dequantize`` takes them unchanged.
 from __future__ import annotations
 
 import struct
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -19,10 +20,12 @@ _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 # GGUF value types: struct formats of the scalar ones; 8 is a string, 9 an array.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALARS = MappingProxyType({0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+                             12: "d"})
 _STRING, _ARRAY = 8, 9
 # Unquantized GGML types and their numpy dtypes (gguf's reader gives these as typed arrays, the rest as bytes).
-_PLAIN_TYPES = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
+_PLAIN_TYPES = MappingProxyType({0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64,
+                                 28: np.float64})
 
 
 class GGUFTensor(NamedTuple):
