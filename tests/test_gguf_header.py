@@ -73,3 +73,16 @@ def test_a_cut_file_is_refused(tmp_path, default_model, cut):
     path.write_bytes(head[:cut] if cut > 0 else head[:-1])
     with pytest.raises((ValueError, struct.error)):
         GGUFHeader(str(path))
+
+
+def test_a_corrupt_dimension_count_is_refused(tmp_path, default_model):
+    """A tensor claiming billions of dimensions is refused at once (not parsed into a giant format)."""
+    header = GGUFHeader(default_model)
+    raw = bytearray(open(default_model, "rb").read())
+    name = header.tensors[0].name.encode()
+    at = raw.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)  # the first tensor info's n_dims
+    raw[at:at + 4] = (3_000_000_000).to_bytes(4, "little")
+    path = tmp_path / "dims.gguf"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="dimensions"):
+        GGUFHeader(str(path))

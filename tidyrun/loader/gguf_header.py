@@ -19,6 +19,7 @@ import numpy as np
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 # GGUF value types: struct formats of the scalar ones; 8 is a string, 9 an array.
 _SCALARS = MappingProxyType({0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
                              12: "d"})
@@ -68,6 +69,8 @@ class GGUFHeader:
         for _ in range(tensor_count):
             name, offset = self._string(offset)
             (dims,), offset = struct.unpack_from(order + "I", buf, offset), offset + 4
+            if dims > _MAX_DIMS:  # a corrupt count would build a format string of billions of characters
+                raise ValueError(f"tensor {name!r} has {dims} dimensions (at most {_MAX_DIMS})")
             shape = struct.unpack_from(order + "Q" * dims, buf, offset)
             offset += 8 * dims
             kind, start = struct.unpack_from(order + "IQ", buf, offset)
