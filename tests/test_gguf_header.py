@@ -96,6 +96,6 @@ def test_q4_1_weights_dequantize_to_ggufs_bits(default_model):
     q4_1 = [t for t in GGUFHeader(default_model).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1]
     assert len(q4_1) > 100
     for t in q4_1:
-        ours, theirs = _dequantize_q4_1(t.data), gguf.quants.dequantize(t.data, t.tensor_type)
+        ours, theirs = _dequantize_q4_1(t.data).numpy(), gguf.quants.dequantize(t.data, t.tensor_type)
         assert ours.dtype == theirs.dtype == np.float32 and ours.size == theirs.size, t.name
         assert np.array_equal(ours.reshape(-1).view(np.uint32), theirs.reshape(-1).view(np.uint32)), t.name
