@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import platform
@@ -129,11 +130,24 @@ def floor_seconds(work: Workload, weight_bytes: int, kv_bytes_per_token: int, pe
     return total
 
 
-def hf_throughput(ckpt: str, args: argparse.Namespace, work: Workload, warm: Workload) -> dict:
+def hf_model(ckpt: str, args: argparse.Namespace):
+    """The transformers model of the checkpoint (sdpa attention) on the bench's device, for (a) and (c)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype),
-                                                 attn_implementation="sdpa").to(args.device).eval()
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype),
+                                                attn_implementation="sdpa").to(args.device).eval()
+
+
+def release_memory(args: argparse.Namespace) -> None:
+    """After a transformers run dropped its model: collect it and give its cached device memory back, so the
+    next engine starts on an empty device."""
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def hf_throughput(ckpt: str, args: argparse.Namespace, work: Workload, warm: Workload) -> dict:
+    model = hf_model(ckpt, args)
 
     def run(prompts: list[list[int]], outs: list[int]) -> int:
         """Generate one left-padded batch; returns the tokens computed (batch x longest output)."""
@@ -159,9 +173,7 @@ def hf_throughput(ckpt: str, args: argparse.Namespace, work: Workload, warm: Wor
     sync(args.device)
     wall = time.perf_counter() - t0
     del model
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    release_memory(args)
     return dict(engine=f"transformers (sdpa, batch {bs})", requests=len(prompts), output_tokens=sum(outs),
                 expected_tokens=sum(outs), computed_tokens=computed, wall_s=wall, tok_s=sum(outs) / wall,
                 preemptions=0)
@@ -169,10 +181,9 @@ def hf_throughput(ckpt: str, args: argparse.Namespace, work: Workload, warm: Wor
 
 def hf_compiled_decode(ckpt: str, args: argparse.Namespace) -> list[dict]:
     """(c): transformers' compiled static-cache decode step at each of ``--compiled-batch-sizes``."""
-    from transformers import AutoModelForCausalLM, StaticCache
+    from transformers import StaticCache
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype),
-                                                 attn_implementation="sdpa").to(args.device).eval()
+    model = hf_model(ckpt, args)
 
     def decode_one(token, position, cache):
         logits = model(token, position_ids=position[None].expand(token.shape[0], 1), cache_position=position,
@@ -190,32 +201,30 @@ def hf_compiled_decode(ckpt: str, args: argparse.Namespace) -> list[dict]:
         with torch.inference_mode():
             logits = model(prompt, cache_position=torch.arange(plen, device=args.device), past_key_values=cache,
                            return_dict=False, use_cache=True)[0]
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            pos = plen
+            token, positions = logits[:, -1].argmax(-1, keepdim=True), itertools.count(plen)
+
+            def advance(token):  # one decode step; the compiled graph's output is cloned before it is fed back
+                return step(token.clone(), torch.tensor([next(positions)], device=args.device), cache)
+
             for _ in range(5):  # compile and capture (reduce-overhead's CUDA graph takes a few calls)
-                token = step(token.clone(), torch.tensor([pos], device=args.device), cache)
-                pos += 1
+                token = advance(token)
             times = []
             for _ in range(k // 2):  # each step alone: synchronized before and after
                 sync(args.device)
                 t0 = time.perf_counter()
-                token = step(token.clone(), torch.tensor([pos], device=args.device), cache)
+                token = advance(token)
                 sync(args.device)
                 times.append(time.perf_counter() - t0)
-                pos += 1
             t0 = time.perf_counter()
             for _ in range(k - k // 2):  # the steps timed whole, as a generation loop runs them
-                token = step(token.clone(), torch.tensor([pos], device=args.device), cache)
-                pos += 1
+                token = advance(token)
             sync(args.device)
             block = (time.perf_counter() - t0) / (k - k // 2)
         rows.append(dict(engine='transformers (StaticCache + torch.compile "reduce-overhead")', batch=b,
                          median_step_ms=statistics.median(times) * 1e3, block_mean_step_ms=block * 1e3,
                          tok_s=b / statistics.median(times)))
     del model, step
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    release_memory(args)
     return rows
 
 
@@ -429,7 +438,8 @@ def main() -> None:
                   f"| {r['kv_bytes_per_step'] / 1e9:.3f} | {r['floor_ms']:.2f} | {r['floor_fraction']:.0%} |")
     if compiled:
         print(f"\n(c) the compiled peer: greedy decode step, prompt {args.decode_prompt_len}, the same checkpoint")
-        print("| engine | batch | median step ms | block mean ms | tidyrun step ms (b), same batch | tidyrun speed-up |")
+        print("| engine | batch | median step ms | block mean ms | tidyrun step ms (b), same batch "
+              "| tidyrun speed-up |")
         print("|---|---|---|---|---|---|")
         ours = {r["batch"]: r["median_step_ms"] for r in decode if r["mode"] == args.modes[0]}
         for r in compiled:
