@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_prologue
+from .pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -58,10 +58,10 @@ def argmax_logprob_rows(x: torch.Tensor, block: int = 4096, pdl: bool = False) -
     vals = torch.empty(rows, slices, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, slices, dtype=torch.int32, device=x.device)
     sums = torch.empty(rows, slices, dtype=torch.float32, device=x.device)
-    _argmax_slices_kernel[(rows, slices)](x, vals, idx, sums, vocab, x.stride(0), slices, BLOCK=block, PDL=pdl,
-                                          num_warps=8, **pdl_launch(pdl))
+    _argmax_slices_kernel[(rows, slices)](x, vals, idx, sums, vocab, x.stride(0), slices, BLOCK=block,
+                                          num_warps=8, **pdl_args(pdl))
     _argmax_final_kernel[(rows,)](vals, idx, sums, out, logprob, slices,
-                                  BLOCK=max(16, triton.next_power_of_2(slices)), PDL=pdl, **pdl_launch(pdl))
+                                  BLOCK=max(16, triton.next_power_of_2(slices)), **pdl_args(pdl))
     return out, logprob
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_prologue
+from .pdl import pdl_args, pdl_prologue
 
 # Log2(e): the kernel works in base 2 (exp2 is one instruction).
 _LOG2E = 1.4426950408889634
@@ -194,10 +194,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1", SPLITS=splits, part_acc_ptr=part_acc,
-        part_ml_ptr=part_ml, PDL=pdl, num_warps=4, num_stages=2, **pdl_launch(pdl),
+        part_ml_ptr=part_ml, num_warps=4, num_stages=2, **pdl_args(pdl),
     )
     if splits > 1 and tokens:
         _combine_splits_kernel[(tokens, num_heads)](part_acc, part_ml, out, num_heads, out.stride(0), out.stride(1),
-                                                    SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl,
-                                                    num_warps=1, **pdl_launch(pdl))
+                                                    SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=1,
+                                                    **pdl_args(pdl))
     return out

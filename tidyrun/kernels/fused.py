@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_prologue
+from .pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if rows:
         _add_rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, res_out, cols, eps,
                                       HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
-                                      PDL=pdl, num_warps=4 if cols <= 4096 else 8, **pdl_launch(pdl))
+                                      num_warps=4 if cols <= 4096 else 8, **pdl_args(pdl))
     return out, res_out
 
 
@@ -72,8 +72,8 @@ def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, PDL=pdl, num_warps=4,
-                                                        **pdl_launch(pdl))
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4,
+                                                        **pdl_args(pdl))
     return out
 
 
@@ -134,7 +134,7 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
         qkv.stride(0), cos.stride(0), *strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), KV_BLOCK=k_cache.shape[1] if store else 1,
-        STORE=store, PDL=pdl, num_warps=1, **pdl_launch(pdl),
+        STORE=store, num_warps=1, **pdl_args(pdl),
     )
 
 

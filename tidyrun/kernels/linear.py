@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_prologue
+from .pdl import pdl_args, pdl_prologue
 
 FEW_ROWS = 16  # up to this many rows a product is split over programs by segment (the smallest dot tile)
 MANY_ROW_BLOCK_K = 64  # the many-row launch's reduction step; every plan's k_seg is a multiple of it
@@ -183,7 +183,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
         _linear_kernel[grid](x, weight, b, out, out, out, rows, n, k, x.stride(0), K_SEG=plan.k_seg,
                              SEGMENTS=segments, SPLIT_GRID=False, HAS_BIAS=bias is not None, GATED=gated,
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FINISH_IN_KERNEL=False,
-                             DOT_PRECISION=dot, PDL=pdl, num_warps=warps, num_stages=stages, **pdl_launch(pdl))
+                             DOT_PRECISION=dot, num_warps=warps, num_stages=stages, **pdl_args(pdl))
         return out
     tiles = triton.cdiv(n, plan.block_n)
     finish = counters is not None and counters.numel() >= tiles
@@ -192,13 +192,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
                                          x.stride(0), K_SEG=plan.k_seg, SEGMENTS=segments, SPLIT_GRID=True,
                                          HAS_BIAS=bias is not None, GATED=False, BLOCK_M=FEW_ROWS,
                                          BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FINISH_IN_KERNEL=finish,
-                                         DOT_PRECISION=dot, PDL=pdl, num_warps=4, num_stages=plan.stages,
-                                         **pdl_launch(pdl))
+                                         DOT_PRECISION=dot, num_warps=4, num_stages=plan.stages, **pdl_args(pdl))
     if not finish:
         block = 1024
         _sum_segments_kernel[(rows, triton.cdiv(n, block))](part, b, out, rows, n, HAS_BIAS=bias is not None,
-                                                            SEGMENTS=segments, BLOCK=block, PDL=pdl,
-                                                            **pdl_launch(pdl))
+                                                            SEGMENTS=segments, BLOCK=block, **pdl_args(pdl))
     return out
 
 

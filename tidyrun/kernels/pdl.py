@@ -29,8 +29,7 @@ def pdl_prologue(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-def pdl_launch(pdl: bool) -> dict:
-    """The launch options of a kernel that calls ``pdl_prologue`` (none without PDL: the interpreter and
-    older GPUs never see the option)."""
-    return {"launch_pdl": True} if pdl else {}
-
+def pdl_args(pdl: bool) -> dict:
+    """The launch keywords of a kernel that takes ``PDL`` and calls ``pdl_prologue``: the constexpr and, with
+    PDL, the launch option (never passed without it: the interpreter and older GPUs do not know it)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
