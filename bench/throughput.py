@@ -305,8 +305,9 @@ def ideal_seconds(work: Workload, decode: list[dict]) -> float | None:
     requests decoding together (perfect batching, no preemption, no host gaps between steps), step s costing
     the measured median step time at the number of requests still running, linearly interpolated between the
     measured batch sizes (their context was ``--decode-prompt-len``; real contexts grow, so this is a bound
-    only up to that). None without decode rows."""
-    if not decode:
+    only up to that). None without decode rows, or when the largest measured batch is below the number of
+    requests: a step's time is far from proportional to its rows, so it is not extrapolated."""
+    if not decode or max(r["batch"] for r in decode) < len(work[1]):
         return None
     points = sorted({r["batch"]: r["median_step_ms"] / 1e3 for r in decode}.items())
     rate = max(r["prefill_tok_s"] for r in decode)
@@ -315,7 +316,7 @@ def ideal_seconds(work: Workload, decode: list[dict]) -> float | None:
         for (b0, t0), (b1, t1) in zip(points, points[1:]):
             if batch <= b1:
                 return t0 + (t1 - t0) * (max(batch, b0) - b0) / (b1 - b0)
-        return points[-1][1] * batch / points[-1][0]  # beyond the largest measured batch: proportional
+        return points[0][1]  # one measured batch size (at least the requests): its time for any batch
 
     outs = sorted(work[1], reverse=True)
     running = len(outs)
@@ -421,6 +422,8 @@ def main() -> None:
               f"products (weights at {args.peak_bw / 1e12:.2f} TB/s or rows' FLOPs, the longer) and whole-context "
               f"KV (floor_seconds)")
         ideal = ideal_seconds(work, [r for r in decode if r["mode"] == args.modes[0]])
+        if ideal is None and decode:
+            print(f"idealised bound: needs decode steps measured up to {len(work[1])} rows (--batch-sizes)")
         if ideal is not None:
             best = next(r["wall_s"] for r in throughput if r["engine"] == f"tidyrun ({args.modes[0]})")
             print(f"idealised bound (prefill at the measured rate, then perfect batching at the measured step "
