@@ -221,8 +221,8 @@ def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
 def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (32, 64, 4, 2)), exact=True):
     """kernels.linear against float64 torch (with and without bias, every plan (block_n, block_k, split,
     stages), the gated SiLU-mul epilogue), and its invariance: every row's bits equal the row computed
-    alone, few-row (split over programs, finished in-kernel or by the reduce kernel) or many-row (every
-    ``tiles`` entry), so a row's result never depends on what else is in the batch. Then argmax_rows.
+    alone, few-row (split over programs, in blocks of 16 rows, finished in-kernel or by the reduce kernel) or
+    many-row (every ``tiles`` entry), so a row's result never depends on what else is in the batch. Then argmax_rows.
     Triton's interpreter computes a dot with numpy, whose order depends on BLOCK_K (and, with some BLAS
     builds, on the tile's rows): there, plans take the many-row launch's BLOCK_K (64) and ``exact=False``
     compares within rounding; on the GPU any BLOCK_K dividing k_seg gives the same bits."""
@@ -250,8 +250,10 @@ def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (3
                 some = sorted({0, rows // 2, rows - 1})  # rows alone (every row: slow under the interpreter)
                 alone = torch.cat([linear(xd[i:i + 1], wd, bd, plan) for i in some])
                 assert _same(out[some], alone, exact), f"{label}: a row's bits depend on the batch"
-                if rows <= FEW_ROWS:
-                    assert _same(linear(xd, wd, bd, plan, counters), out, exact), f"{label}: in-kernel finish"
+                # Few-row launches (more than 16 rows: in blocks of 16), finished in-kernel and by the reduce kernel.
+                for given in (counters, None):
+                    assert _same(linear(xd, wd, bd, plan, given, split_grid=True), out, exact), \
+                        f"{label}: few-row launch, counters={given is not None}"
                     assert not counters.any(), f"{label}: counters left armed"
                 for tile in tiles:
                     many = linear(xd, wd, bd, plan, tile=ManyRowTile(*tile), split_grid=False)
@@ -264,6 +266,8 @@ def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (3
                 err = (gated.double() - ref.double()).abs().max().item()
                 assert err <= 2 * rtol * ref.abs().max().item(), f"gated {rows}x{n}x{k} {one}: {err}"
                 alone = torch.cat([linear(xd[i:i + 1], wd, None, one, gated=True) for i in some])
+                assert _same(linear(xd, wd, None, one, gated=True, split_grid=True), gated, exact), \
+                    f"gated {rows}x{n}x{k} {one}: few-row launch"
                 assert _same(gated[some], alone, exact), f"gated {rows}x{n}x{k} {one}: a row's bits depend on the batch"
     x = torch.randn(3, 10000, generator=g)
     x[1, 5000] = x[1, 9000] = 100.0  # a tie: the first index wins, as in torch.argmax

@@ -236,3 +236,23 @@ def test_async_scheduling_triton_path_under_interpreter(scripts):
     synchronous Triton path's tokens and logprobs; greedy rows the torch path's; a seeded request draws the
     same tokens alone and batched."""
     assert "async ok" in finished(scripts, "async", 900)
+
+
+def test_invariant_block_rule_takes_the_narrow_products_of_17_to_128_rows():
+    """Batch-invariant products of 17-128 rows run the few-row launch in 16-row blocks where the weight's grid is
+    narrow (the 1.2B shape's o, down, QKV on 132 SMs); the gated gate/up, the LM head (2004 programs), <= 16 or
+    > 128 rows and the default mode keep the row count's own launch."""
+    import torch
+
+    from tidyrun.kernels import linear as lin
+    from tidyrun.model.ops import TritonOps
+
+    def rule(ops, rows, n, k):
+        plan = lin.narrow_plan(n, k, 132) or lin.wide_plan(n, k, 132)
+        return ops._split_grid(torch.empty(rows, k, device="meta"), torch.empty(n, k, device="meta"), plan)
+
+    ops = TritonOps(num_sms=132, batch_invariant=True)
+    for n, k in ((2048, 2048), (2048, 8192), (3072, 2048)):  # o, down, QKV
+        assert [rule(ops, rows, n, k) for rows in (16, 17, 64, 128, 129)] == [None, True, True, True, None]
+    assert rule(ops, 64, 128256, 2048) is None  # the LM head
+    assert rule(TritonOps(num_sms=132), 64, 2048, 8192) is None  # default mode: cuBLAS picks

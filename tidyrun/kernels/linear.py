@@ -115,14 +115,15 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s
             # re-arms the counter. The barrier puts every warp's stores before the release of the counter
             # update; the acquire puts the other programs' stores before the loads below, which bypass L1.
             tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + pid_n  # one per output tile
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == SEGMENTS - 1:
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in tl.static_range(SEGMENTS):
                     total += tl.load(part_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=mask, other=0.0,
                                      cache_modifier=".cg")
                 _epilogue(total, total, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, False)
-                tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -149,12 +150,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
     ``silu(x @ gate.T) * (x @ up.T)`` [M, I], the MLP's activation in the
     product's epilogue (no bias, and a plan of one segment).
 
-    ``counters``: a zeroed int32 buffer with an entry per output tile; given
-    one, a few-row split is finished by its last program instead of a second
-    kernel (one launch fewer, the same bits). The kernel leaves it zeroed.
-    ``tile``: the many-row launch's tile (default ``many_row_tile``); ``split_grid``
-    (tests, benchmarks): force the few-row (True, at most 16 rows) or many-row (False) launch.
-    ``pdl``: launch with programmatic dependent launch (``kernels.pdl``; Hopper and later).
+    ``counters``: a zeroed int32 buffer with an entry per output tile (16 rows
+    by ``block_n`` features); given enough, a few-row split is finished by its
+    last program instead of a second kernel (one launch fewer, the same bits).
+    The kernel leaves it zeroed. ``tile``: the many-row launch's tile (default
+    ``many_row_tile``). ``split_grid``: force the few-row launch (True; more
+    than 16 rows run as blocks of 16, each the program a lone row gets) or the
+    many-row one (False). ``pdl``: launch with programmatic dependent launch
+    (``kernels.pdl``; Hopper and later).
     """
     rows = x.shape[0]
     n, k = weight.shape
@@ -169,8 +172,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
     b = bias if bias is not None else weight  # any pointer: HAS_BIAS=False never reads it
     dot = "ieee" if x.dtype == torch.float32 else "tf32"
     few = rows <= FEW_ROWS if split_grid is None else split_grid
-    if few and rows > FEW_ROWS:
-        raise ValueError(f"a few-row launch takes at most {FEW_ROWS} rows, got {rows}")
     if plan.k_seg % plan.block_k or plan.k_seg % MANY_ROW_BLOCK_K:
         raise ValueError(f"{plan}: k_seg must be a multiple of block_k and of {MANY_ROW_BLOCK_K}")
     if not few or segments == 1:
@@ -185,10 +186,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FINISH_IN_KERNEL=False,
                              DOT_PRECISION=dot, num_warps=warps, num_stages=stages, **pdl_args(pdl))
         return out
-    tiles = triton.cdiv(n, plan.block_n)
-    finish = counters is not None and counters.numel() >= tiles
+    row_blocks, tiles = triton.cdiv(rows, FEW_ROWS), triton.cdiv(n, plan.block_n)
+    finish = counters is not None and counters.numel() >= row_blocks * tiles
     part = torch.empty(segments, rows, n, dtype=torch.float32, device=x.device)
-    _linear_kernel[(1, tiles, segments)](x, weight, b, out, part, counters if finish else out, rows, n, k,
+    _linear_kernel[(row_blocks, tiles, segments)](x, weight, b, out, part, counters if finish else out, rows, n, k,
                                          x.stride(0), K_SEG=plan.k_seg, SEGMENTS=segments, SPLIT_GRID=True,
                                          HAS_BIAS=bias is not None, GATED=False, BLOCK_M=FEW_ROWS,
                                          BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FINISH_IN_KERNEL=finish,

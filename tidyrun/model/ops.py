@@ -115,13 +115,16 @@ class TritonOps(TorchOps):
     ``ctx`` is the runner's ForwardContext: inside a step, split kernels take
     the step's arrival counters from it and finish their reductions in-kernel.
     ``batch_invariant``: every product runs ``kernels.linear`` whatever its
-    rows (cuBLAS's algorithm, and so a row's bits, depend on the row count).
+    rows (cuBLAS's algorithm, and so a row's bits, depend on the row count);
+    narrow products of 17-128 rows as 16-row blocks of the few-row launch
+    (``_split_grid``).
     ``pdl``: the layer's kernels (norms, products, RoPE, attention, argmax) are
     launched with programmatic dependent launch (``kernels.pdl``: Hopper and
     later), so each one's launch overlaps the end of the kernel before.
     """
 
     name = "triton"
+    BLOCK_ROWS_MAX = 128  # batch-invariant narrow products up to this many rows run in 16-row blocks (_split_grid)
     keyed_race = True  # race_sample also takes each row's key and draws its noise in the kernel
 
     def __init__(self, num_sms: int, ctx: ForwardContext | None = None, float32_kernels: bool = False,
@@ -163,11 +166,27 @@ class TritonOps(TorchOps):
     def _counters(self) -> torch.Tensor | None:
         return None if self._ctx is None else self._ctx.split_counters
 
+    def _split_grid(self, x: torch.Tensor, weight: torch.Tensor, plan) -> bool | None:
+        """True where a batch-invariant product of more than 16 rows runs the few-row launch in 16-row blocks
+        (each block is the program a lone row gets: the same bits by construction); None: the rows pick.
+
+        Blocks re-read the weight once per 16 rows (from L2), so they pay only where the many-row launch
+        leaves SMs idle: a narrow weight (a few-row grid of at most two programs per SM: o, down, QKV of the
+        1.2B shape) and up to ``BLOCK_ROWS_MAX`` rows. On the H100, per product at 32 / 64 / 128 rows
+        (docs/BENCHMARKS.md): down 20.7 / 30.4 / 54.8 us against the many-row launch's 38.8 / 39.0 / 70.8;
+        gate/up (gated: not called) and the LM head (hundreds of programs already) lose beyond 16-32 rows."""
+        rows = x.shape[0]
+        if not self._batch_invariant or rows <= self._linear.FEW_ROWS or rows > self.BLOCK_ROWS_MAX:
+            return None
+        programs = -(-weight.shape[0] // plan.block_n) * -(-weight.shape[1] // plan.k_seg)
+        return True if programs <= 2 * self._num_sms else None
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         plan = self._plan(x, weight)
         if plan is None:
             return F.linear(x, weight, bias)
-        return self._linear.linear(x.contiguous(), weight.contiguous(), bias, plan, self._counters(), pdl=self.pdl)
+        return self._linear.linear(x.contiguous(), weight.contiguous(), bias, plan, self._counters(),
+                                   split_grid=self._split_grid(x, weight, plan), pdl=self.pdl)
 
     def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         plan = self._plan(x, weight, gated=True)

@@ -172,7 +172,7 @@ class StepInputs:
     carries and graphs capture.
     """
 
-    NUM_COUNTERS = 4096  # output tiles of one split few-row product (at most 4096 / 32 = 128 in use)
+    NUM_COUNTERS = 4096  # output tiles (16 rows x block_n) of a split few-row product; <= 8 x 2 x SMs in use
 
     def __init__(self, block_size: int, group: int, num_kv_heads: int, max_tokens: int, max_seqs: int,
                  max_blocks: int, device: torch.device, ledger: ResourceLedger,
