@@ -228,7 +228,7 @@ def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (3
     compares within rounding; on the GPU any BLOCK_K dividing k_seg gives the same bits."""
     from tidyrun.kernels.argmax import argmax_logprob_rows, argmax_rows
     from tidyrun.kernels.fused import silu_mul
-    from tidyrun.kernels.linear import FEW_ROWS, LinearPlan, ManyRowTile, linear
+    from tidyrun.kernels.linear import LinearPlan, ManyRowTile, linear
 
     g = torch.Generator().manual_seed(seed)
     to = dict(device=device, dtype=dtype)

@@ -189,11 +189,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
     row_blocks, tiles = triton.cdiv(rows, FEW_ROWS), triton.cdiv(n, plan.block_n)
     finish = counters is not None and counters.numel() >= row_blocks * tiles
     part = torch.empty(segments, rows, n, dtype=torch.float32, device=x.device)
-    _linear_kernel[(row_blocks, tiles, segments)](x, weight, b, out, part, counters if finish else out, rows, n, k,
-                                         x.stride(0), K_SEG=plan.k_seg, SEGMENTS=segments, SPLIT_GRID=True,
-                                         HAS_BIAS=bias is not None, GATED=False, BLOCK_M=FEW_ROWS,
-                                         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FINISH_IN_KERNEL=finish,
-                                         DOT_PRECISION=dot, num_warps=4, num_stages=plan.stages, **pdl_args(pdl))
+    _linear_kernel[(row_blocks, tiles, segments)](
+        x, weight, b, out, part, counters if finish else out, rows, n, k, x.stride(0), K_SEG=plan.k_seg,
+        SEGMENTS=segments, SPLIT_GRID=True, HAS_BIAS=bias is not None, GATED=False, BLOCK_M=FEW_ROWS,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FINISH_IN_KERNEL=finish, DOT_PRECISION=dot, num_warps=4,
+        num_stages=plan.stages, **pdl_args(pdl))
     if not finish:
         block = 1024
         _sum_segments_kernel[(rows, triton.cdiv(n, block))](part, b, out, rows, n, HAS_BIAS=bias is not None,
