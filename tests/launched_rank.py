@@ -8,9 +8,11 @@ engine. Scenarios:
 
 - ``lifecycle``: greedy outputs; again after sleep(1)/wake_up; after sleep(2), wake_up(["weights"]),
   collective_rpc("reload_weights"), wake_up(["kv_cache"]); after update_weights with a full tensor and a
-  rank's own slice of another; a seeded sampled output; shutdown; the trainer's default group afterwards.
+  rank's own slice of another; a seeded sampled output; shutdown (and how many references to the trainer's
+  default group the shut-down engine keeps); the trainer's default group afterwards.
 - ``greedy``: greedy outputs and shutdown.
-- ``caller_group``: as ``greedy`` on a group the caller built with torch.distributed.new_group;
+- ``caller_group``: as ``greedy`` on a group the caller built with torch.distributed.new_group, and how many
+  references to it and to the default group the shut-down engine (still held) keeps;
   ``caller_group_bad_start``: there, rank 1 fails to start.
 - ``kill``: rank 1 kills itself during its third step; rank 0 records the error and how long it took.
 - ``diverge``: the ranks pass different prompts.
@@ -59,6 +61,7 @@ def engine(model: str, **kw) -> LLM:
 def lifecycle(model: str, rank: int) -> dict:
     dist.init_process_group("gloo")  # the trainer's own default group, before and after the engine
     out: dict = {}
+    before = sys.getrefcount(dist.group.WORLD)
     llm = engine(model)
     out["greedy"] = greedy(llm)
     llm.sleep(1)
@@ -80,6 +83,7 @@ def lifecycle(model: str, rank: int) -> dict:
     out["sampled"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
     report = llm.shutdown()
     out["clean"], out["ranks"] = report.clean, len(report.ranks)
+    out["world_refs_kept"] = sys.getrefcount(dist.group.WORLD) - before  # the engine is still held here
     total = torch.ones(1)
     dist.all_reduce(total)
     out["trainer_group_sum"] = total.item()
@@ -103,8 +107,14 @@ def on_caller_group(run) -> dict:
 
 def caller_group(model: str, rank: int) -> dict:
     def run(group) -> dict:
+        before = sys.getrefcount(group), sys.getrefcount(dist.group.WORLD)
         llm = engine(model, process_group=group)
-        return {"greedy": greedy(llm), "clean": llm.shutdown().clean}
+        out = {"greedy": greedy(llm), "clean": llm.shutdown().clean}
+        # The engine, still held (as users hold theirs), must have let go of the groups: one it keeps stays
+        # alive past the caller's destroy_process_group, and its gloo threads into interpreter exit.
+        out["group_refs_kept"] = sys.getrefcount(group) - before[0]
+        out["world_refs_kept"] = sys.getrefcount(dist.group.WORLD) - before[1]
+        return out
 
     return on_caller_group(run)
 

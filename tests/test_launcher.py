@@ -113,6 +113,7 @@ def test_torchrun_ranks_equal_one_process_through_sleep_reload_and_weight_update
     assert out["updated"] == updated != expected
     assert all(len(t) == 16 for t in out["sampled"]) and out["sampled"] != out["greedy"]
     assert out["clean"] and out["ranks"] == 1
+    assert [r["world_refs_kept"] for r in ranks] == [0, 0]  # the trainer's group dies when the trainer ends it
     assert out["trainer_group_sum"] == 2.0 and out["trainer_world"] == 2
 
 
@@ -133,6 +134,7 @@ def test_a_caller_given_group_runs_the_engine_and_stays_the_callers(uneven_dir, 
         single.shutdown()
     assert ranks[0]["greedy"] == ranks[1]["greedy"] == expected
     assert all(r["clean"] and r["group_sum"] == 2.0 for r in ranks)
+    assert [(r["group_refs_kept"], r["world_refs_kept"]) for r in ranks] == [(0, 0), (0, 0)]
 
 
 def test_a_rank_failing_to_start_on_a_caller_given_group_leaves_the_group_in_step(uneven_dir, tmp_path):

@@ -218,7 +218,10 @@ class GroupStartup:
         self._vote(True)
 
     def ready(self) -> None:
-        self._vote(True)
+        try:
+            self._vote(True)
+        finally:
+            self.pg = None  # the rounds are over: the caller's group is the caller's again (see fail)
 
     def fail(self, why: str) -> None:
         if self.round < self.ROUNDS:
@@ -227,6 +230,11 @@ class GroupStartup:
             except RuntimeError:
                 pass
             self.round = self.ROUNDS
+        # Let go of the caller's group: the runner's table keeps this object (its ``connect``) until the
+        # runner is collected, and a group still referenced when the caller destroys it keeps its gloo
+        # threads running into interpreter exit, where one freeing a finished collective's tensors aborts
+        # the process ("terminate called without an active exception").
+        self.pg = None
 
 
 @dataclasses.dataclass(frozen=True)

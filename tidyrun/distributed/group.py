@@ -26,6 +26,16 @@ import datetime
 
 import torch
 import torch.distributed as dist
+# Imported here, with tidyrun, for its side effect on lifetimes: torch.distributed.nn.functional's collectives
+# take ``group=group.WORLD`` as a default argument, bound when the module is first imported. The engine's
+# tokenizer loading imports it (transformers -> FSDP -> torch.distributed.nn); after a trainer's
+# init_process_group, that would bind the trainer's default group for good (10 references), keeping it and
+# its gloo threads alive past destroy_process_group into interpreter exit, where a thread freeing the last
+# collective's tensors needs the GIL and aborts the process ("terminate called without an active
+# exception", torch's known gloo-at-exit problem). Imported before the trainer's group exists, the defaults
+# are None. tests/test_launcher.py counts the references; 3 ms.
+if dist.is_available():
+    import torch.distributed.nn  # noqa: F401
 
 from ..errors import WorkerError
 
