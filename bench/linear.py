@@ -1,11 +1,13 @@
 """The products and the argmax of a step: cuBLAS/torch against tidyrun.kernels.linear and .argmax.
 
-    python bench/linear.py [--json bench/results/linear.json] [--rows 1,16,64,256,1024,4096]
+    python bench/linear.py [--json bench/results/linear.json] [--rows 1,16,64,256,1024,4096] [--ops 1.2B]
 
 Rows of bf16 activations times each weight shape of the 1.2B and 8B Llama
 shapes and SmolLM2-135M (few-row splits finished in-kernel, as the engine runs
 them), and the MLP's gate/up product with its SiLU-mul (cuBLAS + the separate
-kernel against the gated kernel). Up to 16 rows the engine takes the kernel
+kernel against the gated kernel). Above 16 rows the many-row launch is also
+timed by pointer loads (``tma=False``) and checked to give the bits of its
+tensor-descriptor launch. Up to 16 rows the engine takes the kernel
 where it wins ("narrow" plans, gate/up); beyond, and for the wide shapes, only
 with ``batch_invariant=True``: those rows are the price of invariance. Every
 timing is a CUDA graph of repeated calls, so launch cost is not measured;
@@ -59,12 +61,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="bench/results/linear.json")
     ap.add_argument("--rows", default="1,16,64,256,1024,4096")
+    ap.add_argument("--ops", default="", help="only the products whose name contains this (e.g. 1.2B)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     rows = []
     for gated, shapes in ((False, SHAPES), (True, GATED_SHAPES)):
         for name, (n, k) in shapes.items():
+            if args.ops not in name:
+                continue
             plan = gated_plan(n, k, sms) if gated else narrow_plan(n, k, sms)
             wide = plan is None
             plan = plan or wide_plan(n, k, sms)
@@ -75,8 +80,15 @@ def main() -> None:
                 ref = (lambda w: silu_mul(F.linear(x, w))) if gated else (lambda w: F.linear(x, w))
                 cublas = graph_us([lambda w=w: ref(w) for w in weights])
                 ours = graph_us([lambda w=w: linear(x, w, None, plan, counters, gated=gated) for w in weights])
+                pointer = None
+                if m > 16:  # the many-row launch: by tensor descriptors (above) and by pointer loads, same bits
+                    def by_pointers(w, x=x):
+                        return linear(x, w, None, plan, counters, gated=gated, tma=False)
+                    pointer = graph_us([lambda w=w: by_pointers(w) for w in weights])
+                    assert torch.equal(by_pointers(weights[0]), linear(x, weights[0], None, plan, gated=gated)), \
+                        f"{name} at {m} rows: the descriptor launch's bits differ from the pointer launch's"
                 rows.append(dict(op=name, rows=m, plan=plan._asdict(), torch_us=cublas, kernel_us=ours,
-                                 engine_default="kernel" if m <= 16 and not wide else "cuBLAS"))
+                                 pointer_us=pointer, engine_default="kernel" if m <= 16 and not wide else "cuBLAS"))
             del weights
     for vocab in (128256, 49152):
         for m in (1, 16):
@@ -85,10 +97,12 @@ def main() -> None:
             rows.append(dict(op=f"argmax vocab {vocab}", rows=m, tile=None, torch_us=graph_us([lambda: x.argmax(-1)]),
                              kernel_us=graph_us([lambda: argmax_rows(x)]), engine_default="kernel"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
-    print("| op | rows | torch / cuBLAS us | kernel us | cuBLAS / kernel | engine default |\n|---|---|---|---|---|---|")
+    print("| op | rows | torch / cuBLAS us | kernel us | cuBLAS / kernel | pointer-load launch us | engine default |"
+          "\n|---|---|---|---|---|---|---|")
     for r in rows:
+        pointer = "" if r.get("pointer_us") is None else f"{r['pointer_us']:.1f}"
         print(f"| {r['op']} | {r['rows']} | {r['torch_us']:.1f} | {r['kernel_us']:.1f} | "
-              f"{r['torch_us'] / r['kernel_us']:.2f}x | {r['engine_default']} |")
+              f"{r['torch_us'] / r['kernel_us']:.2f}x | {pointer} | {r['engine_default']} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)

@@ -222,7 +222,8 @@ def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (3
     """kernels.linear against float64 torch (with and without bias, every plan (block_n, block_k, split,
     stages), the gated SiLU-mul epilogue), and its invariance: every row's bits equal the row computed
     alone, few-row (split over programs, in blocks of 16 rows, finished in-kernel or by the reduce kernel) or
-    many-row (every ``tiles`` entry), so a row's result never depends on what else is in the batch. Then argmax_rows.
+    many-row (every ``tiles`` entry, by pointer loads and by tensor descriptors), so a row's result never
+    depends on what else is in the batch. Then argmax_rows.
     Triton's interpreter computes a dot with numpy, whose order depends on BLOCK_K (and, with some BLAS
     builds, on the tile's rows): there, plans take the many-row launch's BLOCK_K (64) and ``exact=False``
     compares within rounding; on the GPU any BLOCK_K dividing k_seg gives the same bits."""
@@ -256,8 +257,9 @@ def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (3
                         f"{label}: few-row launch, counters={given is not None}"
                     assert not counters.any(), f"{label}: counters left armed"
                 for tile in tiles:
-                    many = linear(xd, wd, bd, plan, tile=ManyRowTile(*tile), split_grid=False)
-                    assert _same(many, out, exact), f"{label}: many-row tile {tile} differs from few-row"
+                    for tma in (False, True):  # by pointer loads and by tensor descriptors
+                        many = linear(xd, wd, bd, plan, tile=ManyRowTile(*tile), split_grid=False, tma=tma)
+                        assert _same(many, out, exact), f"{label}: many-row tile {tile} (tma={tma}) differs from few-row"
             if n % 2 == 0:
                 step = min(block_k, 128)  # a gated launch loads two weight tiles: 128 keeps it in shared memory
                 one = plan._replace(block_k=step, k_seg=-(-k // step) * step)
@@ -265,6 +267,9 @@ def check_linear(device, dtype, shapes, plans, seed=0, tiles=((16, 16, 1, 1), (3
                 ref = silu_mul(F.linear(xd, wd))
                 err = (gated.double() - ref.double()).abs().max().item()
                 assert err <= 2 * rtol * ref.abs().max().item(), f"gated {rows}x{n}x{k} {one}: {err}"
+                for tile in tiles:
+                    many = linear(xd, wd, None, one, gated=True, tile=ManyRowTile(*tile), split_grid=False, tma=True)
+                    assert _same(many, gated, exact), f"gated {rows}x{n}x{k} {one}: many-row tile {tile} by descriptors"
                 alone = torch.cat([linear(xd[i:i + 1], wd, None, one, gated=True) for i in some])
                 assert _same(linear(xd, wd, None, one, gated=True, split_grid=True), gated, exact), \
                     f"gated {rows}x{n}x{k} {one}: few-row launch"

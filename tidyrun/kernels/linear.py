@@ -127,6 +127,42 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s
 
 
 @triton.jit
+def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, K_SEG: tl.constexpr, SEGMENTS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
+    """The many-row launch with its tiles brought in by tensor descriptors (Hopper's copy engine: no address
+    arithmetic or masks per element, zeros past every edge) and output tiles walked in groups of ``GROUP_M``
+    row tiles (weight tiles reused from L2). The same segments, steps and order as ``_linear_kernel``'s
+    serial path, so the same bits. Past an edge the gate half reads up rows: those columns are never stored."""
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_m
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_m
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(SEGMENTS):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K_SEG, BLOCK_K):
+            k = s * K_SEG + k0
+            x = x_desc.load([off_m, k])
+            acc = tl.dot(x, w_desc.load([off_n, k]).T, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                acc_up = tl.dot(x, w_desc.load([N + off_n, k]).T, acc_up, input_precision=DOT_PRECISION)
+        total += acc
+        total_up += acc_up
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    _epilogue(total, total_up, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, GATED)
+
+
+@triton.jit
 def _sum_segments_kernel(part_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, SEGMENTS: tl.constexpr,
                          BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
@@ -143,7 +179,7 @@ def _sum_segments_kernel(part_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan,
            counters: torch.Tensor | None = None, gated: bool = False, tile: ManyRowTile | None = None,
-           split_grid: bool | None = None, pdl: bool = False) -> torch.Tensor:
+           split_grid: bool | None = None, pdl: bool = False, tma: bool | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M, K] (last dim contiguous) and a contiguous weight [N, K].
 
     ``gated``: the weight is [2I, K], gate rows then up rows, and the result is
@@ -157,7 +193,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
     ``many_row_tile``). ``split_grid``: force the few-row launch (True; more
     than 16 rows run as blocks of 16, each the program a lone row gets) or the
     many-row one (False). ``pdl``: launch with programmatic dependent launch
-    (``kernels.pdl``; Hopper and later).
+    (``kernels.pdl``; Hopper and later). ``tma``: the many-row launch by
+    tensor descriptors (``_linear_tma_kernel``; the same bits); None: where
+    ``tma_ok`` allows.
     """
     rows = x.shape[0]
     n, k = weight.shape
@@ -180,6 +218,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
         else:
             block_m, block_n, warps, stages = tile or many_row_tile(rows, gated)
             block_k = MANY_ROW_BLOCK_K
+            if tma_ok(x, weight) if tma is None else tma:
+                from triton.tools.tensor_descriptor import TensorDescriptor
+                grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
+                _linear_tma_kernel[grid](
+                    TensorDescriptor.from_tensor(x, [block_m, block_k]),
+                    TensorDescriptor.from_tensor(weight, [block_n, block_k]), b, out, rows, n, K_SEG=plan.k_seg,
+                    SEGMENTS=segments, HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
+                    BLOCK_K=block_k, GROUP_M=8, DOT_PRECISION=dot, num_warps=warps, num_stages=stages,
+                    **pdl_args(pdl))
+                return out
         grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n), 1)
         _linear_kernel[grid](x, weight, b, out, out, out, rows, n, k, x.stride(0), K_SEG=plan.k_seg,
                              SEGMENTS=segments, SPLIT_GRID=False, HAS_BIAS=bias is not None, GATED=gated,
@@ -199,6 +247,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
         _sum_segments_kernel[(rows, triton.cdiv(n, block))](part, b, out, rows, n, HAS_BIAS=bias is not None,
                                                             SEGMENTS=segments, BLOCK=block, **pdl_args(pdl))
     return out
+
+
+def tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the many-row launch can take its tiles by tensor descriptors: a Hopper-or-later GPU, and rows
+    and their starts at multiples of 16 bytes (the copy engine's rule)."""
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    size = x.element_size()
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 and t.stride(1) == 1 for t in (x, weight))
 
 
 def narrow_plan(n: int, k: int, num_sms: int) -> LinearPlan | None:
