@@ -252,9 +252,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
 
 
 def tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the many-row launch can take its tiles by tensor descriptors: a Hopper-or-later GPU, and rows
-    and their starts at multiples of 16 bytes (the copy engine's rule)."""
+    """Whether the many-row launch can take its tiles by tensor descriptors: a Hopper-or-later GPU, a Triton
+    with host-side descriptors (3.3 and later), and rows and their starts at multiples of 16 bytes (the copy
+    engine's rule)."""
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
         return False
     size = x.element_size()
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 and t.stride(1) == 1 for t in (x, weight))
