@@ -57,6 +57,7 @@ def main() -> None:
     from tidyrun.kernels.fused import silu_mul
     from tidyrun.kernels.argmax import argmax_rows
     from tidyrun.kernels.linear import gated_plan, linear, narrow_plan, wide_plan
+    from tidyrun.runner.device import hopper_or_later
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="bench/results/linear.json")
@@ -65,6 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    tma = hopper_or_later(torch.device("cuda"))  # as the engine decides: descriptors on Hopper and later
     rows = []
     for gated, shapes in ((False, SHAPES), (True, GATED_SHAPES)):
         for name, (n, k) in shapes.items():
@@ -79,13 +81,14 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = (lambda w: silu_mul(F.linear(x, w))) if gated else (lambda w: F.linear(x, w))
                 cublas = graph_us([lambda w=w: ref(w) for w in weights])
-                ours = graph_us([lambda w=w: linear(x, w, None, plan, counters, gated=gated) for w in weights])
+                ours = graph_us([lambda w=w: linear(x, w, None, plan, counters, gated=gated, tma=tma) for w in weights])
                 pointer = None
                 if m > 16:  # the many-row launch: by tensor descriptors (above) and by pointer loads, same bits
                     def by_pointers(w, x=x):
                         return linear(x, w, None, plan, counters, gated=gated, tma=False)
                     pointer = graph_us([lambda w=w: by_pointers(w) for w in weights])
-                    assert torch.equal(by_pointers(weights[0]), linear(x, weights[0], None, plan, gated=gated)), \
+                    ours_once = linear(x, weights[0], None, plan, gated=gated, tma=tma)
+                    assert torch.equal(by_pointers(weights[0]), ours_once), \
                         f"{name} at {m} rows: the descriptor launch's bits differ from the pointer launch's"
                 rows.append(dict(op=name, rows=m, plan=plan._asdict(), torch_us=cublas, kernel_us=ours,
                                  pointer_us=pointer, engine_default="kernel" if m <= 16 and not wide else "cuBLAS"))

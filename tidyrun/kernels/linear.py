@@ -33,6 +33,11 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_prologue
 
+try:  # host-side tensor descriptors (the many-row launch's tiles by Hopper's copy engine): Triton 3.3 and later
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 FEW_ROWS = 16  # up to this many rows a product is split over programs by segment (the smallest dot tile)
 MANY_ROW_BLOCK_K = 64  # the many-row launch's reduction step; every plan's k_seg is a multiple of it
 
@@ -181,7 +186,7 @@ def _sum_segments_kernel(part_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan,
            counters: torch.Tensor | None = None, gated: bool = False, tile: ManyRowTile | None = None,
-           split_grid: bool | None = None, pdl: bool = False, tma: bool | None = None) -> torch.Tensor:
+           split_grid: bool | None = None, pdl: bool = False, tma: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M, K] (last dim contiguous) and a contiguous weight [N, K].
 
     ``gated``: the weight is [2I, K], gate rows then up rows, and the result is
@@ -195,9 +200,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
     ``many_row_tile``). ``split_grid``: force the few-row launch (True; more
     than 16 rows run as blocks of 16, each the program a lone row gets) or the
     many-row one (False). ``pdl``: launch with programmatic dependent launch
-    (``kernels.pdl``; Hopper and later). ``tma``: the many-row launch by
-    tensor descriptors (``_linear_tma_kernel``; the same bits); None: where
-    ``tma_ok`` allows.
+    (``kernels.pdl``; Hopper and later). ``tma``: the GPU takes tensor
+    descriptors (Hopper and later; the caller knows its device, as for
+    ``pdl``): the many-row launch then takes its tiles by them
+    (``_linear_tma_kernel``, the same bits) where ``rows_aligned`` allows.
     """
     rows = x.shape[0]
     n, k = weight.shape
@@ -220,8 +226,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
         else:
             block_m, block_n, warps, stages = tile or many_row_tile(rows, gated)
             block_k = MANY_ROW_BLOCK_K
-            if tma_ok(x, weight) if tma is None else tma:
-                from triton.tools.tensor_descriptor import TensorDescriptor
+            if tma and TensorDescriptor is not None and rows_aligned(x, weight):
                 grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
                 _linear_tma_kernel[grid](
                     TensorDescriptor.from_tensor(x, [block_m, block_k]),
@@ -251,16 +256,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
     return out
 
 
-def tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the many-row launch can take its tiles by tensor descriptors: a Hopper-or-later GPU, a Triton
-    with host-side descriptors (3.3 and later), and rows and their starts at multiples of 16 bytes (the copy
-    engine's rule)."""
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
+def rows_aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rows and their starts lie at multiples of 16 bytes, the copy engine's rule for a tensor
+    descriptor."""
     size = x.element_size()
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 and t.stride(1) == 1 for t in (x, weight))
 

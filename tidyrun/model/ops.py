@@ -121,6 +121,8 @@ class TritonOps(TorchOps):
     ``pdl``: the layer's kernels (norms, products, RoPE, attention, argmax) are
     launched with programmatic dependent launch (``kernels.pdl``: Hopper and
     later), so each one's launch overlaps the end of the kernel before.
+    ``tma``: the many-row products take their tiles by tensor descriptors
+    (``kernels.linear``: Hopper and later; the same bits).
     """
 
     name = "triton"
@@ -128,7 +130,7 @@ class TritonOps(TorchOps):
     keyed_race = True  # race_sample also takes each row's key and draws its noise in the kernel
 
     def __init__(self, num_sms: int, ctx: ForwardContext | None = None, float32_kernels: bool = False,
-                 batch_invariant: bool = False, pdl: bool = False) -> None:
+                 batch_invariant: bool = False, pdl: bool = False, tma: bool = False) -> None:
         from ..kernels import argmax, attention, fused, linear, moe, race  # the CPU path never needs Triton
 
         self._attn = attention
@@ -143,6 +145,7 @@ class TritonOps(TorchOps):
         # Every product through the kernel, for any number of rows: one reduction order per weight.
         self._batch_invariant = batch_invariant
         self.pdl = pdl
+        self._tma = tma
         # (out, in features, gated) -> LinearPlan, or None where cuBLAS takes the product
         self._plans: dict[tuple[int, int, bool], object] = {}
 
@@ -186,13 +189,14 @@ class TritonOps(TorchOps):
         if plan is None:
             return F.linear(x, weight, bias)
         return self._linear.linear(x.contiguous(), weight.contiguous(), bias, plan, self._counters(),
-                                   split_grid=self._split_grid(x, weight, plan), pdl=self.pdl)
+                                   split_grid=self._split_grid(x, weight, plan), pdl=self.pdl, tma=self._tma)
 
     def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         plan = self._plan(x, weight, gated=True)
         if plan is None:
             return super().linear_silu_mul(x, weight)
-        return self._linear.linear(x.contiguous(), weight.contiguous(), None, plan, gated=True, pdl=self.pdl)
+        return self._linear.linear(x.contiguous(), weight.contiguous(), None, plan, gated=True, pdl=self.pdl,
+                                   tma=self._tma)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._argmax.argmax_rows(logits, pdl=self.pdl)

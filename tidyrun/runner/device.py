@@ -41,7 +41,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can use programmatic dependent launch (``kernels.pdl``): compute
-    capability 9.0 (Hopper) or later."""
+def hopper_or_later(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch (``kernels.pdl``) and tensor
+    descriptors (``kernels.linear``'s many-row launch): compute capability 9.0 (Hopper) or later."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -57,7 +57,7 @@ from ..spec_decode import accept_greedy, verify_drafts
 from ..structured import PendingMasks
 from .components import CudaGraphsRow, HostWeights, KVCacheRow, ProcessGroupRow, Rope, StepInputsRow, Weights
 from .cuda_graphs import CudaGraphManager, default_capture_sizes
-from .device import pdl_supported, resolve_device, resolve_dtype, synchronize
+from .device import hopper_or_later, resolve_device, resolve_dtype, synchronize
 from .input_batch import HostBatch, HostTokens, InputBatch, PromptRows, StepInputs, build_reference_batch, host_batch
 from .kv_plan import plan_kv_cache
 from .lifecycle import SLEEP_TAGS, WEIGHTS, Component, Lifecycle
@@ -221,8 +221,9 @@ class ModelRunner:
                                       "path's products are the BLAS library's, whose order depends on the rows")
         if kernels == "torch":
             return TorchOps()
+        hopper = hopper_or_later(self.device)
         return TritonOps(torch.cuda.get_device_properties(self.device).multi_processor_count, self.ctx,
-                         batch_invariant=config.batch_invariant, pdl=pdl_supported(self.device))
+                         batch_invariant=config.batch_invariant, pdl=hopper, tma=hopper)
 
     def _graph_summary(self) -> str:
         graphs = self.graphs
