@@ -81,14 +81,13 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = (lambda w: silu_mul(F.linear(x, w))) if gated else (lambda w: F.linear(x, w))
                 cublas = graph_us([lambda w=w: ref(w) for w in weights])
-                ours = graph_us([lambda w=w: linear(x, w, None, plan, counters, gated=gated, tma=tma) for w in weights])
+                def launch(w, descriptors):
+                    return linear(x, w, None, plan, counters, gated=gated, tma=descriptors)
+                ours = graph_us([lambda w=w: launch(w, tma) for w in weights])
                 pointer = None
                 if m > 16:  # the many-row launch: by tensor descriptors (above) and by pointer loads, same bits
-                    def by_pointers(w, x=x):
-                        return linear(x, w, None, plan, counters, gated=gated, tma=False)
-                    pointer = graph_us([lambda w=w: by_pointers(w) for w in weights])
-                    ours_once = linear(x, weights[0], None, plan, gated=gated, tma=tma)
-                    assert torch.equal(by_pointers(weights[0]), ours_once), \
+                    pointer = graph_us([lambda w=w: launch(w, False) for w in weights])
+                    assert torch.equal(launch(weights[0], False), launch(weights[0], tma)), \
                         f"{name} at {m} rows: the descriptor launch's bits differ from the pointer launch's"
                 rows.append(dict(op=name, rows=m, plan=plan._asdict(), torch_us=cublas, kernel_us=ours,
                                  pointer_us=pointer, engine_default="kernel" if m <= 16 and not wide else "cuBLAS"))
